@@ -1,0 +1,37 @@
+# optax-decoupled: everything a user or CI runs goes through these targets.
+# A fresh machine needs only python3 (>= 3.10) with venv; `make` creates .venv and installs.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+SCALE  ?= quick
+OUT    ?= results
+
+.PHONY: install test lint report example clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[experiments,notebooks,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# The test command of the README and of CI: lint, the suite, and every notebook at smoke size.
+test: lint
+	OPTAX_DECOUPLED_SMOKE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests --nbmake notebooks
+
+# The main job: the comparison report at its CPU-sized default scale.
+report: $(STAMP)
+	$(BIN)/optax-decoupled report --scale $(SCALE) --out $(OUT)
+
+# The README's Flax NNX example, end to end.
+example: $(STAMP)
+	$(BIN)/python examples/nnx_train_step.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,217 @@
+"""Which parameters get weight decay.
+
+A *mask* is resolved against the parameter pytree into a pytree of Python bools of the same
+structure (``True`` = decay this leaf). Accepted forms, everywhere a ``mask`` argument appears:
+
+* ``"auto"`` (the default): decay weight matrices only. A leaf is **not** decayed if any
+  component of its ``/``-joined key path
+
+  - names a bias (contains ``bias``, or is ``b``),
+  - names a normalisation parameter (contains ``norm``, or is ``scale``, ``offset``, ``gamma``
+    or ``beta``),
+  - names an embedding (contains ``embed``),
+  - is one of the selective-SSM parameters ``A_log``, ``D``, ``dt_bias`` (what ``mamba_ssm``
+    marks ``_no_weight_decay``);
+
+  otherwise it is decayed iff it has ``ndim >= 2``. Name rules win over the ndim rule, so a 2-D
+  ``A_log`` or a scan-stacked bias of shape ``(layers, features)`` is still excluded.
+* ``None``: decay every leaf (what ``torch.optim`` does within a parameter group, and what
+  ``optax.adamw(mask=None)`` does).
+* a pytree of bools with the parameters' structure (dicts, ``flax.nnx.State``, NamedTuples).
+* a callable ``params -> pytree of bools``. Inside ``optax.inject_hyperparams`` a plain callable
+  is taken for a schedule: pass ``static_args=("mask",)`` there, or use :func:`decay_mask`,
+  whose result is not callable.
+* :func:`decay_mask` rules by key path.
+
+Key paths are the ``/``-joined keys of :func:`jax.tree_util.tree_flatten_with_path`, e.g.
+``"layers/0/mixer/in_proj/kernel"``; the trailing ``value`` of a ``flax.nnx`` variable is
+dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+MaskArg = Any  # "auto" | None | pytree of bools | Callable[[params], pytree] | DecayMask
+
+#: Path components (exact, case-sensitive) that ``"auto"`` never decays: Mamba's SSM parameters.
+SSM_NO_DECAY_NAMES = frozenset({"A_log", "D", "dt_bias"})
+#: Path components (exact, case-insensitive) that ``"auto"`` never decays.
+NO_DECAY_NAMES = frozenset({"b", "scale", "offset", "gamma", "beta"})
+#: Substrings of a path component (case-insensitive) that ``"auto"`` never decays.
+NO_DECAY_SUBSTRINGS = ("bias", "norm", "embed")
+
+_VARIABLE_VALUE_ATTRS = ("value", "raw_value")
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_components(path: tuple[Any, ...]) -> tuple[str, ...]:
+    """The string components of a JAX key path (a flax.nnx variable's ``value`` dropped)."""
+    names = [_key_name(k) for k in path]
+    if (
+        path
+        and isinstance(path[-1], jax.tree_util.GetAttrKey)
+        and names[-1] in _VARIABLE_VALUE_ATTRS
+    ):
+        names = names[:-1]
+    return tuple(names)
+
+
+def path_string(path: tuple[Any, ...]) -> str:
+    """The ``/``-joined key path used by mask rules, e.g. ``"encoder/dense/kernel"``."""
+    return "/".join(path_components(path))
+
+
+def auto_decays(components: tuple[str, ...], ndim: int) -> bool:
+    """The ``"auto"`` rule for one leaf: name rules first, then ``ndim >= 2``."""
+    for name in components:
+        lowered = name.lower()
+        if name in SSM_NO_DECAY_NAMES or lowered in NO_DECAY_NAMES:
+            return False
+        if any(s in lowered for s in NO_DECAY_SUBSTRINGS):
+            return False
+    return ndim >= 2
+
+
+@dataclasses.dataclass(frozen=True)
+class DecayMask:
+    """Rules by key path; build it with :func:`decay_mask`.
+
+    A leaf is decayed iff no ``exclude`` pattern matches its path and either an ``include``
+    pattern matches it or (no ``include`` patterns given) the ``default`` rule says so.
+    Deliberately not callable, so ``optax.inject_hyperparams`` never mistakes it for a schedule.
+    """
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    default: str = "auto"
+
+    def decays(self, components: tuple[str, ...], ndim: int) -> bool:
+        path = "/".join(components)
+        if any(re.search(p, path) for p in self.exclude):
+            return False
+        if self.include:
+            return any(re.search(p, path) for p in self.include)
+        return auto_decays(components, ndim) if self.default == "auto" else True
+
+
+def decay_mask(
+    include: str | tuple[str, ...] | list[str] | None = None,
+    exclude: str | tuple[str, ...] | list[str] | None = None,
+    *,
+    default: str = "auto",
+) -> DecayMask:
+    """Weight-decay rules over ``/``-joined key paths (regular expressions, ``re.search``).
+
+    Examples::
+
+      decay_mask(exclude=r"(^|/)head/")            # "auto", but never decay the head
+      decay_mask(include=r"kernel$")               # decay exactly the leaves named kernel
+      decay_mask(exclude=r"bias$", default="all")  # decay all but biases, any ndim
+
+    Args:
+      include: pattern(s); if given, only matching leaves are decayed.
+      exclude: pattern(s); matching leaves are never decayed (exclude wins over include).
+      default: rule for leaves when ``include`` is empty: ``"auto"`` (see module docs) or
+        ``"all"``.
+
+    Raises:
+      ValueError: if a pattern is not a valid regular expression or ``default`` is unknown.
+    """
+
+    def as_tuple(name: str, value: Any) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        patterns = (value,) if isinstance(value, str) else tuple(value)
+        for p in patterns:
+            if not isinstance(p, str):
+                raise ValueError(f"`{name}` patterns must be strings, got {p!r}.")
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(f"`{name}` pattern {p!r} is not a valid regex: {e}.") from e
+        return patterns
+
+    if default not in ("auto", "all"):
+        raise ValueError(f"`default` must be 'auto' or 'all', got {default!r}.")
+    return DecayMask(as_tuple("include", include), as_tuple("exclude", exclude), default)
+
+
+def _is_bool_leaf(x: Any) -> bool:
+    if isinstance(x, bool | np.bool_):
+        return True
+    return isinstance(x, np.ndarray) and x.shape == () and x.dtype == np.bool_
+
+
+def _from_rule(rule: Callable[[tuple[str, ...], int], bool], params: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    flags = [bool(rule(path_components(p), np.ndim(leaf))) for p, leaf in leaves]
+    return jax.tree_util.tree_unflatten(treedef, flags)
+
+
+def _match_tree(mask_tree: Any, params: Any, argument: str) -> Any:
+    """Re-expresses a user mask pytree in the parameters' structure, matching by key path."""
+    p_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    m_leaves, _ = jax.tree_util.tree_flatten_with_path(mask_tree)
+    by_path = {}
+    for path, leaf in m_leaves:
+        key = path_string(path)
+        if not _is_bool_leaf(leaf):
+            raise ValueError(
+                f"`{argument}` leaf at '{key}' must be a Python bool, got {leaf!r} "
+                "(masks are static: they choose which leaves are decayed at trace time)."
+            )
+        by_path[key] = bool(leaf)
+    p_paths = [path_string(p) for p, _ in p_leaves]
+    for key in p_paths:
+        if key not in by_path:
+            raise ValueError(
+                f"`{argument}` does not match the parameters: '{key}' is a parameter but has no "
+                f"entry in the mask (mask paths: {sorted(by_path)[:8]}...)."
+            )
+    extra = set(by_path) - set(p_paths)
+    if extra:
+        first = next(path_string(p) for p, _ in m_leaves if path_string(p) in extra)
+        raise ValueError(
+            f"`{argument}` does not match the parameters: the mask has an entry at '{first}', "
+            "which is not a parameter."
+        )
+    return jax.tree_util.tree_unflatten(treedef, [by_path[k] for k in p_paths])
+
+
+def resolve_mask(mask: MaskArg, params: Any, *, argument: str = "mask") -> Any:
+    """Resolves any accepted ``mask`` form into a pytree of bools shaped like ``params``.
+
+    Raises:
+      ValueError: naming the first mismatching key path if a mask pytree (or a callable's
+        result) does not have the parameters' structure, or a leaf is not a bool.
+    """
+    if mask is None:
+        return _from_rule(lambda c, n: True, params)
+    if isinstance(mask, str):
+        if mask != "auto":
+            raise ValueError(f"`{argument}` string must be 'auto', got {mask!r}.")
+        return _from_rule(auto_decays, params)
+    if isinstance(mask, DecayMask):
+        return _from_rule(mask.decays, params)
+    if callable(mask):
+        return _match_tree(mask(params), params, argument)
+    return _match_tree(mask, params, argument)
+
+
+def check_mask_arg(mask: MaskArg, argument: str = "mask") -> None:
+    """Early validation of a ``mask`` argument's form (structure is checked at ``init``)."""
+    if isinstance(mask, str) and mask != "auto":
+        raise ValueError(f"`{argument}` string must be 'auto', got {mask!r}.")

@@ -1,0 +1,132 @@
+"""Every documented bad input raises ValueError naming the argument; traced values pass."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_decoupled as od
+
+ALIASES = {
+    "adamw": lambda **kw: od.adamw(**{"learning_rate": 1e-3, **kw}),
+    "adam_l2": lambda **kw: od.adam_l2(**{"learning_rate": 1e-3, "weight_decay": 1e-4, **kw}),
+    "amsgrad": lambda **kw: od.amsgrad(**{"learning_rate": 1e-3, **kw}),
+    "lion": lambda **kw: od.lion(**{"learning_rate": 1e-4, **kw}),
+}
+ADAM_ALIASES = ["adamw", "adam_l2", "amsgrad"]
+
+
+@pytest.mark.parametrize("alias", list(ALIASES))
+@pytest.mark.parametrize("value", [-1e-3, float("nan"), float("inf")])
+def test_learning_rate_must_be_non_negative_and_finite(alias, value):
+    with pytest.raises(ValueError, match="`learning_rate` must be a finite number >= 0"):
+        ALIASES[alias](learning_rate=value)
+
+
+@pytest.mark.parametrize("alias", list(ALIASES))
+def test_weight_decay_must_be_non_negative(alias):
+    with pytest.raises(ValueError, match="`weight_decay` must be a finite number >= 0"):
+        ALIASES[alias](weight_decay=-0.1)
+
+
+@pytest.mark.parametrize("alias", list(ALIASES))
+@pytest.mark.parametrize("name", ["b1", "b2"])
+@pytest.mark.parametrize("value", [1.0, -0.1, 1.5])
+def test_betas_must_lie_in_unit_interval(alias, name, value):
+    with pytest.raises(ValueError, match=rf"`{name}` must lie in \[0, 1\)"):
+        ALIASES[alias](**{name: value})
+
+
+def test_beta_schedules_are_rejected():
+    with pytest.raises(ValueError, match="`b1` must be a number in"):
+        od.scale_by_adam(b1=lambda count: 0.9)
+
+
+@pytest.mark.parametrize("alias", ADAM_ALIASES)
+@pytest.mark.parametrize("name", ["eps", "eps_root"])
+def test_eps_must_be_non_negative(alias, name):
+    with pytest.raises(ValueError, match=f"`{name}` must be a finite number >= 0"):
+        ALIASES[alias](**{name: -1e-8})
+
+
+def test_unknown_choices():
+    with pytest.raises(ValueError, match="`convention` must be one of"):
+        od.decoupled_weight_decay(0.1, convention="torch", learning_rate=1e-3)
+    with pytest.raises(ValueError, match="`convention` must be one of"):
+        od.adamw(1e-3, decay_convention="decoupled")
+    with pytest.raises(ValueError, match="`amsgrad` must be one of"):
+        od.scale_by_adam(amsgrad="keras")
+    with pytest.raises(ValueError, match="`amsgrad` must be one of"):
+        od.adamw(1e-3, amsgrad=True)
+    with pytest.raises(ValueError, match="`variant` must be one of"):
+        od.amsgrad(1e-3, variant=None)
+
+
+@pytest.mark.parametrize("alias", list(ALIASES))
+@pytest.mark.parametrize("dtype", ["int8x", "float8", jnp.int32, "complex64"])
+def test_unknown_state_dtype(alias, dtype):
+    with pytest.raises(ValueError, match="`state_dtype` must be None"):
+        ALIASES[alias](state_dtype=dtype)
+
+
+@pytest.mark.parametrize("convention", ["schedule", "corrected"])
+def test_peak_learning_rate_needed_for_relative_conventions(convention):
+    sched = optax.cosine_decay_schedule(1e-3, 100)
+    with pytest.raises(ValueError, match="pass `peak_learning_rate`"):
+        od.adamw(sched, decay_convention=convention)
+    with pytest.raises(ValueError, match="pass `peak_learning_rate`"):
+        od.lion(jnp.asarray(1e-4), decay_convention=convention)
+    with pytest.raises(ValueError, match="`peak_learning_rate` must be a finite number > 0"):
+        od.adamw(sched, decay_convention=convention, peak_learning_rate=0.0)
+    with pytest.raises(ValueError, match="`peak_learning_rate` must be a number or an array"):
+        od.adamw(sched, decay_convention=convention, peak_learning_rate=sched)
+    od.adamw(1e-3, decay_convention=convention)  # a constant float is its own peak
+    od.adamw(sched, decay_convention=convention, peak_learning_rate=1e-3)
+
+
+def test_decoupled_decay_needs_learning_rate():
+    with pytest.raises(ValueError, match="needs `learning_rate`"):
+        od.decoupled_weight_decay(0.1)
+    od.decoupled_weight_decay(0.1, convention="constant")
+
+
+def test_coupled_amsgrad_has_no_convention():
+    with pytest.raises(ValueError, match="coupled L2"):
+        od.amsgrad(1e-3, coupled=True, decay_convention="schedule")
+    with pytest.raises(ValueError, match="`coupled` must be a bool"):
+        od.amsgrad(1e-3, coupled="yes")
+
+
+def test_bool_hyperparameters_are_rejected():
+    with pytest.raises(ValueError, match="`weight_decay` must be a number"):
+        od.adamw(1e-3, weight_decay=True)
+
+
+@pytest.mark.parametrize("alias", list(ALIASES))
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, jnp.complex64])
+def test_integer_bool_and_complex_parameters_are_rejected(alias, dtype):
+    params = {"w": jnp.zeros((2, 2)), "steps": jnp.zeros((3,), dtype)}
+    with pytest.raises(ValueError, match=r"parameter \['steps'\] has .*dtype"):
+        ALIASES[alias]().init(params)
+
+
+@pytest.mark.parametrize("make", [lambda: od.add_l2_gradient(0.1), lambda: od.adamw(1e-3)])
+def test_update_without_params(make):
+    tx = make()
+    params = {"w": jnp.zeros((2, 2))}
+    with pytest.raises(ValueError, match="needs the current parameters"):
+        tx.update(params, tx.init(params))
+
+
+def test_traced_hyperparameters_are_not_checked():
+    """Inside jit the values are unknown: no error, the computation just uses them."""
+    params = {"w": jnp.ones((2, 2))}
+
+    @jax.jit
+    def step(lr, wd):
+        tx = od.adamw(lr, weight_decay=wd, mask=None)
+        updates, _ = tx.update(params, tx.init(params), params)
+        return updates
+
+    out = step(-1.0, -1.0)
+    assert jnp.all(jnp.isfinite(out["w"]))

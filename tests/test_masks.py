@@ -1,0 +1,195 @@
+"""Weight-decay masks: the "auto" rule, user forms, structures (Linen dicts, NNX, NamedTuples)."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_decoupled as od
+from optax_decoupled import masks
+
+
+def linen_params():
+    """A Linen-style parameter dict with every kind of leaf the "auto" rule knows."""
+    z = jnp.zeros
+    return {
+        "Embed_0": {"embedding": z((10, 4))},
+        "Dense_0": {"kernel": z((4, 8)), "bias": z((8,))},
+        "LayerNorm_0": {"scale": z((8,)), "bias": z((8,))},
+        "mixer": {
+            "A_log": z((2,)),
+            "D": z((2,)),
+            "dt_bias": z((2,)),
+            "conv1d": {"kernel": z((4, 1, 8)), "bias": z((8,))},
+        },
+        "RMSNorm_0": {"weight": z((8,))},
+        "final_norm": {"kernel_like": z((8, 8))},  # 2-D but under a norm module
+        "head": {"w": z((8, 3)), "b": z((3,))},
+        "temperature": z(()),
+    }
+
+
+def flat(tree):
+    return {masks.path_string(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_auto_mask_decays_weight_matrices_only():
+    got = flat(od.resolve_mask("auto", linen_params()))
+    decayed = sorted(k for k, v in got.items() if v)
+    assert decayed == ["Dense_0/kernel", "head/w", "mixer/conv1d/kernel"]
+    assert all(isinstance(v, bool) for v in got.values())
+
+
+def test_name_rules_win_over_ndim_rule():
+    # A 2-D A_log and scan-stacked biases / norm scales (leading layer axis) stay excluded.
+    params = {
+        "layers": {
+            "A_log": jnp.zeros((3, 2)),
+            "D": jnp.zeros((3, 2)),
+            "dt_bias": jnp.zeros((3, 2)),
+            "in_proj": {"kernel": jnp.zeros((3, 4, 4)), "bias": jnp.zeros((3, 4))},
+            "norm": {"scale": jnp.zeros((3, 4))},
+        }
+    }
+    got = flat(od.resolve_mask("auto", params))
+    assert [k for k, v in got.items() if v] == ["layers/in_proj/kernel"]
+
+
+def test_none_decays_everything():
+    assert all(flat(od.resolve_mask(None, linen_params())).values())
+
+
+def test_pytree_and_callable_masks():
+    params = {"a": jnp.zeros((2, 2)), "b": jnp.zeros((2,))}
+    tree = {"a": False, "b": True}
+    assert od.resolve_mask(tree, params) == tree
+    assert od.resolve_mask(lambda p: jax.tree.map(lambda x: x.ndim == 1, p), params) == tree
+    assert od.resolve_mask({"a": np.bool_(True), "b": False}, params) == {"a": True, "b": False}
+
+
+def test_decay_mask_rules():
+    params = linen_params()
+    only_head = flat(od.resolve_mask(od.decay_mask(include=r"^head/"), params))
+    assert sorted(k for k, v in only_head.items() if v) == ["head/b", "head/w"]
+    no_head = flat(od.resolve_mask(od.decay_mask(exclude=r"^head/"), params))
+    assert sorted(k for k, v in no_head.items() if v) == ["Dense_0/kernel", "mixer/conv1d/kernel"]
+    all_but_bias = flat(od.resolve_mask(od.decay_mask(exclude="bias$", default="all"), params))
+    assert not all_but_bias["Dense_0/bias"] and all_but_bias["LayerNorm_0/scale"]
+    # exclude wins over include
+    both = flat(od.resolve_mask(od.decay_mask(include="kernel", exclude="conv1d"), params))
+    assert sorted(k for k, v in both.items() if v) == ["Dense_0/kernel", "final_norm/kernel_like"]
+
+
+def test_decay_mask_bad_arguments():
+    with pytest.raises(ValueError, match="`include` pattern"):
+        od.decay_mask(include="(")
+    with pytest.raises(ValueError, match="`default`"):
+        od.decay_mask(default="some")
+    with pytest.raises(ValueError, match="`exclude` patterns must be strings"):
+        od.decay_mask(exclude=[3])
+
+
+class Params(NamedTuple):
+    kernel: jax.Array
+    bias: jax.Array
+
+
+def test_namedtuple_params():
+    params = Params(jnp.zeros((2, 3)), jnp.zeros((3,)))
+    assert od.resolve_mask("auto", params) == Params(True, False)
+    assert od.resolve_mask(Params(False, True), params) == Params(False, True)
+
+
+def test_mismatched_mask_names_the_first_missing_path():
+    params = {"enc": {"kernel": jnp.zeros((2, 2)), "bias": jnp.zeros((2,))}}
+    with pytest.raises(ValueError, match="'enc/bias' is a parameter but has no entry"):
+        od.resolve_mask({"enc": {"kernel": True}}, params)
+    with pytest.raises(ValueError, match="'enc/extra'.*not a parameter"):
+        od.resolve_mask({"enc": {"kernel": True, "bias": False, "extra": True}}, params)
+    with pytest.raises(ValueError, match="'enc/kernel' must be a Python bool"):
+        od.resolve_mask({"enc": {"kernel": jnp.array(True), "bias": False}}, params)
+    # The same errors surface from a transform's init.
+    tx = od.adamw(1e-3, mask={"enc": {"kernel": True}})
+    with pytest.raises(ValueError, match="'enc/bias'"):
+        tx.init(params)
+
+
+def test_unknown_mask_string():
+    with pytest.raises(ValueError, match="`mask` string must be 'auto'"):
+        od.adamw(1e-3, mask="all")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: od.adamw(0.1, weight_decay=0.5, mask=m),
+        lambda m: od.lion(0.1, weight_decay=0.5, mask=m),
+        lambda m: od.amsgrad(0.1, weight_decay=0.5, mask=m),
+    ],
+    ids=["adamw", "lion", "amsgrad"],
+)
+def test_masked_leaves_are_not_decayed(make):
+    """With zero gradients only the decay moves parameters: exactly the masked-in ones."""
+    params = linen_params()
+    params = jax.tree.map(lambda x: jnp.ones_like(x), params)
+    tx = make("auto")
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.zeros_like, params)
+    for _ in range(3):
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    want = flat(od.resolve_mask("auto", params))
+    for path, leaf in flat(params).items():
+        expected = (1 - 0.1 * 0.5) ** 3 if want[path] else 1.0
+        np.testing.assert_allclose(np.asarray(leaf), expected, rtol=1e-6, err_msg=path)
+
+
+def test_coupled_l2_respects_mask():
+    params = {"w": jnp.ones((2, 2)), "bias": jnp.ones((2,))}
+    grads = jax.tree.map(jnp.zeros_like, params)
+    tx = od.add_l2_gradient(0.3)
+    out, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(out["w"], 0.3)
+    np.testing.assert_allclose(out["bias"], 0.0)
+
+
+def test_nnx_model_with_ssm_parameters():
+    """`nnx.Optimizer(model, adamw(...), wrt=nnx.Param)` decays the kernels and nothing else."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.in_proj = nnx.Linear(4, 6, rngs=rngs)
+            self.A_log = nnx.Param(jnp.log(jnp.arange(1.0, 4.0)))
+            self.D = nnx.Param(jnp.ones((3,)))
+            self.dt_bias = nnx.Param(jnp.full((3,), -2.0))
+            self.norm = nnx.RMSNorm(6, rngs=rngs)
+            self.embed = nnx.Embed(5, 4, rngs=rngs)
+
+    model = Block(nnx.Rngs(0))
+    before = {masks.path_string(p): np.asarray(v) for p, v in _nnx_leaves(nnx, model)}
+    lr, wd, steps = 0.1, 0.2, 4
+    opt = nnx.Optimizer(model, od.adamw(lr, weight_decay=wd), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt):
+        grads = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+        opt.update(model, grads)
+
+    for _ in range(steps):
+        step(model, opt)
+    after = {masks.path_string(p): np.asarray(v) for p, v in _nnx_leaves(nnx, model)}
+    assert set(after) == {
+        "in_proj/kernel", "in_proj/bias", "A_log", "D", "dt_bias", "norm/scale",
+        "embed/embedding",
+    }  # fmt: skip
+    for path, value in after.items():
+        factor = (1 - lr * wd) ** steps if path == "in_proj/kernel" else 1.0
+        np.testing.assert_allclose(value, before[path] * factor, rtol=1e-6, err_msg=path)
+
+
+def _nnx_leaves(nnx, model):
+    return jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]

@@ -80,7 +80,7 @@ class FloatStorage:
 
     def init(self, param: jax.Array, signed: bool) -> jax.Array:
         del signed
-        return jnp.zeros(jnp.shape(param), self.dtype)
+        return jnp.zeros_like(param, dtype=self.dtype)  # keeps a concrete param's sharding
 
     def read(self, stored: jax.Array, like: jax.Array) -> jax.Array:
         return stored.astype(jnp.promote_types(self.dtype, jnp.result_type(like)))

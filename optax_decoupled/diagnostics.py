@@ -1,0 +1,127 @@
+r"""Diagnostics that show *why* coupled and decoupled weight decay behave differently.
+
+* :func:`effective_decay`: the per-element fraction of :math:`\theta` removed per step by the
+  regulariser. Decoupled decay removes :math:`s_t` (e.g. :math:`\eta_t\lambda`) from every
+  decayed element alike; coupled L2 passes :math:`\lambda\theta` through Adam's scaling, so the
+  element shrinks by :math:`\eta_t\lambda/(\sqrt{\hat\nu_t}+\epsilon)`: strongly where
+  gradients are small, hardly where they are large (Loshchilov & Hutter, ICLR 2019, Sec. 2).
+* :func:`group_norms`: weight norms per parameter group (decayed matrices vs the excluded
+  ``A_log``/``D``/``dt_bias``/norm scales/biases).
+* :func:`update_ratios`: :math:`\lVert u\rVert/\lVert\theta\rVert` per leaf.
+
+All work on any parameter pytree and on any optimizer state that contains a
+:class:`~optax_decoupled.ScaleByAdamState` (inside ``chain``, ``inject_hyperparams``,
+``MultiSteps``, ``apply_if_finite``...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_decoupled import masks as masks_lib
+from optax_decoupled import storage as storage_lib
+from optax_decoupled.transforms import ScaleByAdamState, decay_rate
+
+
+def find_adam_state(opt_state: Any) -> ScaleByAdamState:
+    """The (first) :class:`ScaleByAdamState` inside a nested optimizer state."""
+    found = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByAdamState))
+        if isinstance(s, ScaleByAdamState)
+    ]
+    if not found:
+        raise ValueError("the optimizer state holds no ScaleByAdamState (not an Adam variant).")
+    return found[0]
+
+
+def effective_decay(
+    opt_state: Any,
+    params: Any,
+    *,
+    learning_rate: float,
+    weight_decay: float,
+    coupled: bool,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    amsgrad: str | None = None,
+    convention: str = "lr",
+    peak_learning_rate: float | None = None,
+    mask: masks_lib.MaskArg = "auto",
+    state_dtype: storage_lib.StateDtype = None,
+) -> Any:
+    r"""Per-element effective decay per step, a pytree shaped like ``params``.
+
+    .. math::
+
+        \text{coupled: } \frac{\eta_t\lambda}{\sqrt{\hat\nu_t}+\epsilon}, \qquad
+        \text{decoupled: } s_t \;(\text{e.g. } \eta_t\lambda)
+
+    where :math:`\hat\nu_t` is what the denominator of the last step used (the AMSGrad max for
+    ``amsgrad`` variants, uncorrected for ``"paper"``). Leaves the mask excludes get 0.
+    The hyperparameters must be those of the optimizer that produced ``opt_state``;
+    ``learning_rate`` is the value :math:`\eta_t` at the step of interest.
+    """
+    decays = masks_lib.resolve_mask(mask, params)
+    if not coupled:
+        s = decay_rate(weight_decay, convention, learning_rate, peak_learning_rate)
+        return jax.tree.map(
+            lambda p, m: jnp.full(jnp.shape(p), s if m else 0.0, jnp.float32), params, decays
+        )
+    adam = find_adam_state(opt_state)
+    store = storage_lib.resolve_storage(state_dtype)
+    count = jnp.maximum(adam.count, 1)
+    bc2 = 1.0 - b2 ** count.astype(jnp.float32)
+    nu_tree = adam.nu if amsgrad is None else adam.nu_max
+
+    def leaf(p, nu_s, m):
+        if not m:
+            return jnp.zeros(jnp.shape(p), jnp.float32)
+        nu = store.read(nu_s, p).astype(jnp.float32)
+        if amsgrad in (None, "pytorch"):
+            nu = nu / bc2
+        return learning_rate * weight_decay / (jnp.sqrt(nu) + eps)
+
+    return jax.tree.map(leaf, params, nu_tree, decays)
+
+
+def group_of(components: tuple[str, ...], ndim: int) -> str:
+    """The diagnostic group of a leaf: ``decayed`` (the ``"auto"`` rule) or why it is not."""
+    if masks_lib.auto_decays(components, ndim):
+        return "decayed"
+    for name in reversed(components):
+        if name in masks_lib.SSM_NO_DECAY_NAMES:
+            return name
+    lowered = [c.lower() for c in components]
+    if any("norm" in c or c in ("scale", "gamma", "beta", "offset") for c in lowered):
+        return "norm"
+    if any("bias" in c or c == "b" for c in lowered):
+        return "bias"
+    if any("embed" in c for c in lowered):
+        return "embedding"
+    return "other (ndim < 2)"
+
+
+def group_norms(params: Any) -> dict[str, jax.Array]:
+    r"""Euclidean norm :math:`\lVert\theta_G\rVert_2` of each group of :func:`group_of`."""
+    sums: dict[str, jax.Array] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        g = group_of(masks_lib.path_components(path), jnp.ndim(leaf))
+        sq = jnp.sum(jnp.square(jnp.asarray(leaf, jnp.float32)))
+        sums[g] = sums.get(g, 0.0) + sq
+    return {k: jnp.sqrt(v) for k, v in sorted(sums.items())}
+
+
+def update_ratios(updates: Any, params: Any, tiny: float = 1e-12) -> dict[str, jax.Array]:
+    r""":math:`\lVert u\rVert_2/\lVert\theta\rVert_2` per leaf, keyed by ``/``-joined path."""
+    out = {}
+    u_leaves = jax.tree.leaves(updates)
+    p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, p), u in zip(p_leaves, u_leaves, strict=True):
+        pn = jnp.linalg.norm(jnp.ravel(jnp.asarray(p, jnp.float32)))
+        un = jnp.linalg.norm(jnp.ravel(jnp.asarray(u, jnp.float32)))
+        out[masks_lib.path_string(path)] = un / jnp.maximum(pn, tiny)
+    return out

@@ -1,0 +1,59 @@
+"""Sharding optimizer state like the parameters (ZeRO-style), with JAX's own SPMD.
+
+Every moment of this package's transforms has its parameter's shape, so the natural layout
+puts each moment on its parameter's sharding: FSDP-sharded weights get FSDP-sharded moments
+(ZeRO stage 1-3 for the optimizer state), replicated weights replicated moments.
+
+* Eagerly, ``tx.init(params)`` already does this: moments are created with
+  ``jnp.zeros_like(param)``, which keeps a concrete array's sharding.
+* Under ``jit`` the compiler cannot see the input shardings of a constant, so pass
+  ``out_shardings=state_shardings(tx, params)`` (this module), which is what
+  :func:`jit_init` does. ``update`` needs nothing: its outputs follow its inputs.
+
+Example::
+
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    params = jax.device_put(params, param_shardings)
+    tx = optax_decoupled.adamw(1e-3)
+    opt_state = optax_decoupled.sharding.jit_init(tx, params)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+
+def state_shardings(
+    tx: optax.GradientTransformation,
+    params: Any,
+    replicated: jax.sharding.Sharding | None = None,
+) -> Any:
+    """The sharding of every leaf of ``tx.init(params)``: each moment takes its parameter's.
+
+    Non-parameter leaves (step counts, injected hyperparameters) get ``replicated``, by
+    default a fully replicated :class:`~jax.sharding.NamedSharding` on the mesh of the first
+    sharded parameter (or the single device of an unsharded one).
+    """
+    param_shardings = jax.tree.map(lambda p: p.sharding, params)
+    if replicated is None:
+        first = jax.tree.leaves(param_shardings)[0]
+        if isinstance(first, jax.sharding.NamedSharding):
+            replicated = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+        else:
+            replicated = first
+    shapes = jax.eval_shape(tx.init, params)
+    return optax.tree_utils.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        shapes,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+
+
+def jit_init(tx: optax.GradientTransformation, params: Any) -> Any:
+    """``tx.init`` compiled with every moment placed on its parameter's sharding."""
+    return jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)

@@ -1,0 +1,88 @@
+"""Diagnostics against hand computations on a small pytree."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_decoupled as od
+from optax_decoupled import diagnostics as D
+
+
+def small():
+    params = {
+        "dense": {"kernel": jnp.array([[1.0, 2.0], [3.0, 4.0]]), "bias": jnp.array([1.0, -1.0])},
+        "A_log": jnp.array([0.5, 0.5]),
+        "norm": {"scale": jnp.array([2.0, 2.0])},
+    }
+    grads = {
+        "dense": {"kernel": jnp.array([[0.1, 1.0], [10.0, 0.0]]), "bias": jnp.array([1.0, 1.0])},
+        "A_log": jnp.array([1.0, 1.0]),
+        "norm": {"scale": jnp.array([1.0, 1.0])},
+    }
+    return params, grads
+
+
+def test_decoupled_effective_decay_is_uniform_on_decayed_leaves():
+    params, _ = small()
+    eff = D.effective_decay(None, params, learning_rate=0.1, weight_decay=0.5, coupled=False)
+    np.testing.assert_allclose(eff["dense"]["kernel"], 0.05)
+    for leaf in (eff["dense"]["bias"], eff["A_log"], eff["norm"]["scale"]):
+        np.testing.assert_array_equal(leaf, 0.0)
+    sched = D.effective_decay(
+        None, params, learning_rate=0.05, weight_decay=0.5, coupled=False,
+        convention="schedule", peak_learning_rate=0.1,
+    )  # fmt: skip
+    np.testing.assert_allclose(sched["dense"]["kernel"], 0.25)
+
+
+@pytest.mark.parametrize("amsgrad", [None, "pytorch", "optax", "paper"])
+def test_coupled_effective_decay_by_hand(amsgrad):
+    """After one step of adam_l2: nu = (1 - b2) (g + wd θ)^2, and the hand formula follows."""
+    params, grads = small()
+    lr, wd, b2, eps = 0.1, 0.5, 0.999, 1e-8
+    tx = od.adam_l2(lr, b2=b2, eps=eps, weight_decay=wd, amsgrad=amsgrad)
+    _, state = tx.update(grads, tx.init(params), params)
+    eff = D.effective_decay(
+        state, params, learning_rate=lr, weight_decay=wd, coupled=True, b2=b2, eps=eps,
+        amsgrad=amsgrad,
+    )  # fmt: skip
+    g = np.asarray(grads["dense"]["kernel"], np.float64) + wd * np.asarray(
+        params["dense"]["kernel"], np.float64
+    )
+    nu = (1 - b2) * g**2
+    if amsgrad != "paper":
+        nu = nu / (1 - b2)  # bias correction at t = 1 (the max is of one value)
+    expected = lr * wd / (np.sqrt(nu) + eps)
+    np.testing.assert_allclose(eff["dense"]["kernel"], expected, rtol=1e-5)
+    np.testing.assert_array_equal(eff["dense"]["bias"], 0.0)
+
+
+def test_group_norms_and_groups():
+    params, _ = small()
+    norms = D.group_norms(params)
+    assert set(norms) == {"decayed", "bias", "A_log", "norm"}
+    np.testing.assert_allclose(norms["decayed"], np.sqrt(1 + 4 + 9 + 16), rtol=1e-6)
+    np.testing.assert_allclose(norms["bias"], np.sqrt(2), rtol=1e-6)
+    np.testing.assert_allclose(norms["A_log"], np.sqrt(0.5), rtol=1e-6)
+    np.testing.assert_allclose(norms["norm"], np.sqrt(8), rtol=1e-6)
+    assert D.group_of(("layers", "D"), 2) == "D"
+    assert D.group_of(("embed", "embedding"), 2) == "embedding"
+
+
+def test_update_ratios():
+    params, grads = small()
+    ratios = D.update_ratios(grads, params)
+    np.testing.assert_allclose(ratios["dense/bias"], 1.0, rtol=1e-6)
+    np.testing.assert_allclose(
+        ratios["dense/kernel"], np.sqrt(0.01 + 1 + 100) / np.sqrt(30), rtol=1e-6
+    )
+
+
+def test_find_adam_state_through_wrappers():
+    params, grads = small()
+    tx = optax.apply_if_finite(optax.inject_hyperparams(od.adamw)(learning_rate=0.1), 3)
+    state = tx.init(params)
+    assert isinstance(D.find_adam_state(state), od.ScaleByAdamState)
+    with pytest.raises(ValueError, match="no ScaleByAdamState"):
+        D.find_adam_state(od.lion(0.1).init(params))

@@ -1,0 +1,33 @@
+"""Sharded optimizer state on 8 simulated CPU devices.
+
+The device count is fixed when JAX starts, so each check runs in a process of its own
+(``tests/programs/``) with ``--xla_force_host_platform_device_count=8``.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+PROGRAMS = pathlib.Path(__file__).parent / "programs"
+
+
+def run_program(name, *args, timeout=600):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, str(PROGRAMS / name), *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+STATE_DTYPES = ["None", "bfloat16"]
+
+
+def test_every_state_leaf_has_its_parameters_sharding():
+    results = run_program("sharding_check.py", *STATE_DTYPES)
+    assert len(results) == 2 * 4 * len(STATE_DTYPES)  # (explicit, auto) meshes x aliases x dtypes
+    failures = {case: problems for case, problems in results.items() if problems}
+    assert not failures, failures

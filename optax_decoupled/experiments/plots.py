@@ -322,7 +322,7 @@ def effective_decay_figure(doc: dict[str, Any]) -> Figure:
         ax.stairs(frac, edges, label=res["label"], **SSM_STYLE.get(name, {}))
     finish_axes(
         ax,
-        "Effective weight decay per step on decayed weights (end of training)",
+        "Effective weight decay per step on decayed weights (peak η, end-of-training ν̂)",
         "log10 decay per step  (coupled: ηλ/(√ν̂+ε); decoupled: s_t)",
         "fraction of elements",
     )
@@ -409,6 +409,9 @@ def grid_figure(doc: dict[str, Any], value: str = "val_loss") -> Figure:
                              shading="flat")  # fmt: skip
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.minorticks_off()
+        ax.set_xticks(wds, [f"{v:.2g}" for v in wds], rotation=45, fontsize=FONT_SIZE - 2)
+        ax.set_yticks(lrs, [f"{v:.2g}" for v in lrs], fontsize=FONT_SIZE - 2)
         best_wd = res["analysis"]["best_wd_per_lr"]
         ax.plot(best_wd, lrs, "w.-", lw=1, ms=6, label="best λ per η")
         b = res["analysis"]["best"]

@@ -1,0 +1,272 @@
+"""The main job: every experiment at one scale, and ``results/report.md`` with all figures.
+
+``optax-decoupled report [--scale quick|full|smoke] [--out results]`` runs, in order:
+
+=========  ==================================================================================
+reddi      Reddi et al. counterexamples (:mod:`~optax_decoupled.experiments.reddi`)
+compare    the tuned SSM comparison (:mod:`~optax_decoupled.experiments.compare`)
+grid       lr × wd heatmaps (:mod:`~optax_decoupled.experiments.grid`)
+memory     optimizer-state memory (:mod:`~optax_decoupled.experiments.memory_report`)
+=========  ==================================================================================
+
+Each part writes ``<out>/<part>/results.json`` and its PNG figures, then a completion marker
+``<out>/<part>/complete.json`` (scale, wall time). A report that is interrupted and started
+again skips the parts whose marker matches the scale (``--force`` reruns them), so finished
+work is never lost. ``report.md`` records the package/JAX versions, the device and the wall
+time of every part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+SCALES = ("smoke", "quick", "full")
+PARTS = ("reddi", "compare", "grid", "memory")
+
+
+def environment() -> dict[str, Any]:
+    """Versions, device and host, for the report's header and every results file."""
+    import jax
+    import jaxlib
+    import optax
+
+    import optax_decoupled
+
+    devices = jax.devices()
+    return {
+        "optax_decoupled": optax_decoupled.__version__,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "optax": optax.__version__,
+        "python": platform.python_version(),
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in devices],
+        "device_kind": devices[0].device_kind,
+        "cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(path: pathlib.Path, doc: Any) -> None:
+    """Writes JSON atomically (a temporary file renamed), so a crash never leaves half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=_json_default))
+    os.replace(tmp, path)
+
+
+def _json_default(obj: Any) -> Any:
+    import numpy as np
+
+    if isinstance(obj, np.ndarray | np.generic):
+        return obj.tolist()
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    return str(obj)
+
+
+def _enable_fast_cpu_loops() -> None:
+    """XLA:CPU compiles the Reddi runs' while loops into one kernel (must precede any JAX work)."""
+    from optax_decoupled.experiments import reddi
+
+    reddi.enable_fast_cpu_loops()
+
+
+# ---------------------------------------------------------------------------------------------
+# The parts: each runs at a scale into a directory and returns (doc, markdown section).
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_reddi(scale: str, out: pathlib.Path, progress: bool) -> dict[str, Any]:
+    from optax_decoupled.experiments import reddi
+
+    config = reddi.Config.smoke() if scale == "smoke" else reddi.Config()
+    if scale == "full":
+        config = reddi.Config(steps=10_000_000, phase_steps=1_000_000, phase_grid=48, seeds=8)
+    return reddi.run_experiment(config, str(out), progress=progress)
+
+
+def _section_reddi(doc: dict[str, Any], rel: str) -> str:
+    from optax_decoupled.experiments import reddi
+
+    figures = "\n".join(f"![{f}]({rel}/{os.path.basename(f)})" for f in doc.get("figures", []))
+    return (
+        "## Reddi et al. counterexamples: Adam vs AMSGrad\n\n"
+        "Linear losses on [-1, 1], optimum x* = -1 (Reddi, Kale & Kumar, ICLR 2018). Final point "
+        "x_T and average regret R_T/T per optimizer (α_t = α/√t):\n\n"
+        f"{reddi.summary_table(doc)}\n\n{figures}\n"
+    )
+
+
+def _run_compare(scale: str, out: pathlib.Path, progress: bool) -> dict[str, Any]:
+    from optax_decoupled.experiments import compare, plots
+
+    doc = compare.run_comparison(compare.CompareConfig.preset(scale), progress=progress)
+    doc["figures"] = plots.comparison_figures(doc, out)
+    return doc
+
+
+def _section_compare(doc: dict[str, Any], rel: str) -> str:
+    from optax_decoupled.experiments import compare
+
+    figures = "\n".join(f"![{f}]({rel}/{os.path.basename(f)})" for f in doc.get("figures", []))
+    return (
+        "## Coupled L2 vs AdamW vs AMSGrad vs Lion on the Flax SSM\n\n"
+        f"{compare.protocol_text(doc)}\n\n{compare.summary_table(doc)}\n\n{figures}\n"
+    )
+
+
+def _run_grid(scale: str, out: pathlib.Path, progress: bool) -> dict[str, Any]:
+    from optax_decoupled.experiments import grid, plots
+
+    doc = grid.run_grid(grid.GridConfig.preset(scale), progress=progress)
+    doc["figures"] = plots.grid_figures(doc, out)
+    return doc
+
+
+def _section_grid(doc: dict[str, Any], rel: str) -> str:
+    from optax_decoupled.experiments import grid
+
+    figures = "\n".join(f"![{f}]({rel}/{os.path.basename(f)})" for f in doc.get("figures", []))
+    return (
+        "## Learning rate × weight decay (Loshchilov & Hutter 2019, Fig. 2)\n\n"
+        f"{grid.summary_table(doc)}\n\n{figures}\n"
+    )
+
+
+def _run_memory(scale: str, out: pathlib.Path, progress: bool) -> dict[str, Any]:
+    from optax_decoupled.experiments import memory_report
+
+    return memory_report.run(scale, out, progress=progress)
+
+
+def _section_memory(doc: dict[str, Any], rel: str) -> str:
+    from optax_decoupled.experiments import memory_report
+
+    return memory_report.markdown(doc, rel)
+
+
+RUNNERS: dict[str, tuple[Callable[..., dict], Callable[[dict, str], str]]] = {
+    "reddi": (_run_reddi, _section_reddi),
+    "compare": (_run_compare, _section_compare),
+    "grid": (_run_grid, _section_grid),
+    "memory": (_run_memory, _section_memory),
+}
+
+
+def run_part(
+    part: str,
+    scale: str,
+    directory: str | os.PathLike,
+    *,
+    force: bool = False,
+    progress: bool = True,
+) -> tuple[dict[str, Any], float, bool]:
+    """Runs one part into ``directory`` unless its completion marker says it is done at this
+    scale. Returns ``(results, wall time in seconds, skipped)``."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    marker, results = directory / "complete.json", directory / "results.json"
+    if not force and marker.exists() and results.exists():
+        done = json.loads(marker.read_text())
+        if done.get("scale") == scale:
+            return json.loads(results.read_text()), float(done["wall_time_s"]), True
+    marker.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    doc = RUNNERS[part][0](scale, directory, progress)
+    wall = time.perf_counter() - t0
+    doc = {**doc, "scale": scale, "environment": environment()}
+    write_json(results, doc)
+    write_json(marker, {"part": part, "scale": scale, "wall_time_s": wall})
+    return doc, wall, False
+
+
+def run_report(
+    out: str | os.PathLike = "results",
+    *,
+    scale: str = "quick",
+    parts: tuple[str, ...] = PARTS,
+    force: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> pathlib.Path:
+    """Runs ``parts`` at ``scale`` into ``out`` and writes ``out/report.md``; returns its path."""
+    if scale not in SCALES:
+        raise ValueError(f"`scale` must be one of {SCALES}, got {scale!r}.")
+    unknown = [p for p in parts if p not in RUNNERS]
+    if unknown:
+        raise ValueError(f"unknown parts {unknown}; choose from {list(RUNNERS)}.")
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _enable_fast_cpu_loops()
+    sections, walls = [], {}
+    t0 = time.perf_counter()
+    for part in parts:
+        log(f"[report] {part} ({scale}) ...")
+        doc, wall, skipped = run_part(part, scale, out / part, force=force, progress=progress)
+        walls[part] = (wall, skipped)
+        log(f"[report] {part}: {'already done, skipped' if skipped else f'{wall:.1f} s'}")
+        sections.append(RUNNERS[part][1](doc, part))
+    env = environment()
+    rows = "\n".join(
+        f"| {p} | {w:.1f} s{' (from an earlier run)' if s else ''} |" for p, (w, s) in walls.items()
+    )
+    header = (
+        f"# optax-decoupled report ({scale} scale)\n\n"
+        f"optax-decoupled {env['optax_decoupled']}, JAX {env['jax']} (jaxlib {env['jaxlib']}), "
+        f"Optax {env['optax']}, Python {env['python']}; device: {env['device_kind']} "
+        f"({env['backend']}, {len(env['devices'])} device(s)), {env['cpu_count']} CPU cores; "
+        f"generated {env['date']}.\n\n"
+        "Every number and figure below was measured by this run (or, where marked, by an "
+        "earlier run of the same scale that this one resumed). Machine-readable results: "
+        "`<part>/results.json`.\n\n"
+        f"| part | wall time |\n|---|---|\n{rows}\n"
+        f"| total (this invocation) | {time.perf_counter() - t0:.1f} s |\n"
+    )
+    report = out / "report.md"
+    report.write_text(header + "\n" + "\n".join(sections))
+    write_json(out / "environment.json", env)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line.
+# ---------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "--scale", choices=SCALES, default="quick",
+        help="quick: <= 10 min on 2 CPU cores (default); full: sized for one GPU; smoke: seconds",
+    )  # fmt: skip
+    parser.add_argument("--out", default="results", help="output directory (default: results)")
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run"
+    )
+    parser.add_argument("--force", action="store_true", help="rerun parts already completed")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    scale = "smoke" if os.environ.get("OPTAX_DECOUPLED_SMOKE") == "1" else args.scale
+    path = run_report(
+        args.out, scale=scale, parts=tuple(args.parts), force=args.force,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = add_arguments(argparse.ArgumentParser(prog="optax-decoupled report"))
+    sys.exit(run_cli(parser.parse_args()))

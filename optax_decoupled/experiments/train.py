@@ -1,0 +1,826 @@
+"""Trainer for the SSM test bed: a pure, jittable, vmappable step and a grid training loop.
+
+The functional core (what sweeps build on):
+
+* :func:`init_model` / :func:`init_models` -- ``(graphdef, params, rest)`` from an
+  :class:`~optax_decoupled.experiments.ssm.SSMConfig` and a seed (or a batch of seeds). ``params``
+  is a plain nested dict of arrays (``nnx.to_pure_dict``), so any Optax transformation and any
+  path-based decay mask sees names like ``layers/0/mixer/A_log``.
+* :func:`loss_fn` -- ``(params, batch, *, graphdef, rest) -> (loss, aux)``, pure.
+* :func:`train_step` -- ``(params, opt_state, batch, hparams, *, graphdef, rest, make_tx)``:
+  forward, loss, gradient, ``make_tx(**hparams).update``, ``optax.apply_updates``. Pure, so it
+  can be ``jax.vmap``-ed over configurations and ``jax.jit``-ed with buffer donation.
+
+Optimizers enter as ``make_tx(**hparams) -> optax.GradientTransformation``. The transformation is
+built *inside* the traced step from (possibly traced) scalar hyperparameters: Optax
+transformations are closures, so a learning rate or a weight decay that is a tracer of a
+``jax.vmap`` over a grid is just another array. :func:`scheduled` wraps any Optax-style
+optimizer with a warmup + cosine schedule built from the traced peak learning rate and with
+global-norm clipping.
+
+The loop (:func:`train_grid`, and :func:`train` for one run) trains ``K`` configurations --
+hyperparameters and seeds -- as one compiled program: the state carries a leading ``K`` axis,
+each configuration draws its own batches from its own data key inside the step, evaluation is
+periodic, metrics go to JSON lines, progress to tqdm, and checkpoints to orbax-checkpoint. A run
+stopped and resumed from a checkpoint ends with parameters bit-identical to an uninterrupted run
+(the step is a pure function of the checkpointed state and the step number).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from optax_decoupled.experiments import tasks as tasks_lib
+from optax_decoupled.experiments.ssm import Mamba2Model, SSMConfig
+
+PyTree = Any
+MakeTx = Callable[..., optax.GradientTransformation]
+
+
+# ---------------------------------------------------------------------------------------------
+# Model state.
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_key(seed_or_key) -> jax.Array:
+    if isinstance(seed_or_key, int | np.integer):
+        return jax.random.key(int(seed_or_key))
+    return seed_or_key
+
+
+def seed_keys(seed: int) -> tuple[jax.Array, jax.Array]:
+    """The (model-init key, data key) a run with this seed uses."""
+    key = jax.random.key(seed)
+    return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def model_graphdef(config: SSMConfig) -> nnx.GraphDef:
+    """The static structure of :class:`Mamba2Model` for ``config`` (no arrays allocated)."""
+    return nnx.graphdef(nnx.eval_shape(lambda: Mamba2Model(config, rngs=nnx.Rngs(0))))
+
+
+def _init_state(config: SSMConfig, key: jax.Array) -> tuple[PyTree, PyTree]:
+    model = Mamba2Model(config, rngs=nnx.Rngs(params=key))
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+
+def init_model(
+    config: SSMConfig, seed_or_key: int | jax.Array
+) -> tuple[nnx.GraphDef, PyTree, PyTree]:
+    """``(graphdef, params, rest)`` of a freshly initialised model.
+
+    ``params`` holds the ``nnx.Param`` variables and ``rest`` every other variable (empty for
+    :class:`Mamba2Model`), both as plain nested dicts of arrays. ``nnx.merge(graphdef, params,
+    rest)`` rebuilds the module. An ``int`` is a seed; the model key is then
+    ``seed_keys(seed)[0]``, exactly as in :func:`train_grid`.
+    """
+    key = seed_keys(seed_or_key)[0] if isinstance(seed_or_key, int | np.integer) else seed_or_key
+    params, rest = _init_state(config, key)
+    return model_graphdef(config), params, rest
+
+
+def init_models(config: SSMConfig, keys: jax.Array) -> tuple[nnx.GraphDef, PyTree, PyTree]:
+    """Like :func:`init_model` for a batch of model keys ``(K,)``: arrays get a leading K axis."""
+    params, rest = _init_program(config)(keys)
+    return model_graphdef(config), params, rest
+
+
+@functools.lru_cache(maxsize=64)
+def _init_program(config: SSMConfig):
+    return jax.jit(jax.vmap(lambda k: _init_state(config, k)))
+
+
+def apply_model(
+    graphdef: nnx.GraphDef, params: PyTree, rest: PyTree, inputs: jax.Array
+) -> jax.Array:
+    """Logits of the model ``nnx.merge(graphdef, params, rest)`` on ``inputs``."""
+    return nnx.merge(graphdef, params, rest)(inputs)
+
+
+def loss_fn(
+    params: PyTree, batch: tasks_lib.Batch, *, graphdef: nnx.GraphDef, rest: PyTree
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Masked mean cross-entropy and ``{"accuracy": ...}`` of one batch (pure)."""
+    logits = apply_model(graphdef, params, rest, batch["inputs"])
+    return tasks_lib.cross_entropy(logits, batch), {"accuracy": tasks_lib.accuracy(logits, batch)}
+
+
+def train_step(
+    params: PyTree,
+    opt_state: optax.OptState,
+    batch: tasks_lib.Batch,
+    hparams: Mapping[str, jax.Array],
+    *,
+    graphdef: nnx.GraphDef,
+    rest: PyTree,
+    make_tx: MakeTx,
+) -> tuple[PyTree, optax.OptState, dict[str, jax.Array]]:
+    """One optimisation step: loss, gradient, ``make_tx(**hparams).update``, apply (pure).
+
+    Returns new params, new optimizer state and ``{"loss", "accuracy", "grad_norm"}`` (the
+    gradient's global norm before any clipping inside the transformation).
+    """
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, batch, graphdef=graphdef, rest=rest
+    )
+    tx = make_tx(**hparams)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = {"loss": loss, "accuracy": aux["accuracy"], "grad_norm": optax.tree.norm(grads)}
+    return params, opt_state, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer factories.
+# ---------------------------------------------------------------------------------------------
+
+
+def warmup_cosine(
+    peak: jax.typing.ArrayLike,
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    init_fraction: float = 0.0,
+    end_fraction: float = 0.0,
+) -> optax.Schedule:
+    """Linear warmup from ``init_fraction * peak`` to ``peak``, then cosine decay to
+    ``end_fraction * peak`` at ``total_steps``: ``peak * unit_schedule(count)``.
+
+    ``peak`` may be a tracer (a vmapped learning rate); the unit schedule is Optax's
+    ``warmup_cosine_decay_schedule`` with peak 1, whose construction needs concrete values.
+    """
+    if warmup_steps > 0:
+        unit = optax.warmup_cosine_decay_schedule(
+            init_fraction, 1.0, warmup_steps, total_steps, end_value=end_fraction
+        )
+    else:
+        unit = optax.cosine_decay_schedule(1.0, total_steps, alpha=end_fraction)
+    return lambda count: peak * unit(count)
+
+
+def scheduled(
+    optimizer: Callable[..., optax.GradientTransformation],
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    clip_norm: float | None = 1.0,
+    end_fraction: float = 0.0,
+    lr_name: str = "learning_rate",
+    peak_name: str | None = None,
+    **fixed: Any,
+) -> MakeTx:
+    """Turn ``optimizer(learning_rate, **kw)`` into a ``make_tx(learning_rate, **hparams)``.
+
+    The returned factory builds :func:`warmup_cosine` from the (peak) ``learning_rate`` it is
+    given, calls ``optimizer(schedule, **fixed, **hparams)`` and, if ``clip_norm`` is set,
+    chains ``optax.clip_by_global_norm(clip_norm)`` in front. ``peak_name`` passes the peak
+    learning rate under that keyword too (e.g. ``peak_learning_rate`` for
+    ``optax_decoupled.adamw(..., decay_convention="schedule")``).
+
+    Example::
+
+        make_tx = scheduled(optax.adamw, total_steps=600, warmup_steps=50, clip_norm=1.0)
+        tx = make_tx(learning_rate=3e-3, weight_decay=0.1)
+    """
+
+    def make_tx(**hparams: Any) -> optax.GradientTransformation:
+        if lr_name not in hparams:
+            raise TypeError(f"make_tx needs the peak learning rate as {lr_name}=...")
+        peak = hparams.pop(lr_name)
+        schedule = warmup_cosine(
+            peak, total_steps=total_steps, warmup_steps=warmup_steps, end_fraction=end_fraction
+        )
+        kwargs = {**fixed, **hparams}
+        if peak_name is not None:
+            kwargs[peak_name] = peak
+        tx = optimizer(schedule, **kwargs)
+        if clip_norm is not None:
+            tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+        return tx
+
+    return make_tx
+
+
+def product_grid(
+    axes: Mapping[str, Sequence[float]], seeds: Sequence[int] = (0,)
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Cartesian product of hyperparameter axes and seeds as flat ``(K,)`` arrays.
+
+    Returns ``(hparams, seeds)`` for :func:`train_grid`; the seed varies fastest.
+    """
+    names = list(axes)
+    rows = list(itertools.product(*(axes[n] for n in names), seeds))
+    hparams = {n: np.asarray([r[i] for r in rows], np.float64) for i, n in enumerate(names)}
+    return hparams, np.asarray([r[-1] for r in rows], np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Results and JSON lines.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Loop settings of :func:`train_grid`.
+
+    Attributes:
+      steps: number of optimisation steps.
+      eval_every: evaluate ``eval_splits`` every this many steps (and after the last step).
+      eval_splits: splits evaluated periodically; ``final_splits`` are evaluated at the end.
+      eval_batch_size: evaluation chunk size (splits are padded with ``mask = 0``).
+      log_every: refresh the progress bar's loss every this many steps.
+      checkpoint_every: save a checkpoint every this many steps (needs ``checkpoint_dir``).
+      max_to_keep: checkpoints kept.
+      progress: show a tqdm progress bar.
+    """
+
+    steps: int = 600
+    eval_every: int = 100
+    eval_splits: tuple[str, ...] = ("val",)
+    final_splits: tuple[str, ...] = ("val", "test")
+    eval_batch_size: int = 512
+    log_every: int = 25
+    checkpoint_every: int | None = None
+    max_to_keep: int = 2
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.steps < 1 or self.eval_every < 1 or self.eval_batch_size < 1:
+            raise ValueError("steps, eval_every and eval_batch_size must be positive.")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError("checkpoint_every must be positive or None.")
+
+
+@dataclasses.dataclass
+class RunResult:
+    """Outcome of one configuration of a grid.
+
+    Attributes:
+      index: position in the grid.
+      seed: its seed.
+      hparams: its hyperparameters as floats.
+      train_loss, train_accuracy, grad_norm: per-step training metrics, shape ``(steps,)``.
+      evals: periodic evaluations ``{"step", "<split>_loss", "<split>_accuracy"}``.
+      final: final metrics of ``final_splits`` (``"test_accuracy"`` etc.).
+      wall_time_s: wall time of the whole grid (configurations train together).
+      params: final parameters (NumPy), or ``None`` when not kept.
+    """
+
+    index: int
+    seed: int
+    hparams: dict[str, float]
+    train_loss: np.ndarray
+    train_accuracy: np.ndarray
+    grad_norm: np.ndarray
+    evals: list[dict]
+    final: dict[str, float]
+    wall_time_s: float
+    params: PyTree = None
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (no parameters)."""
+        return {
+            "event": "final",
+            "run": self.index,
+            "seed": self.seed,
+            "hparams": self.hparams,
+            "final": self.final,
+            "evals": self.evals,
+            "train_loss": [float(v) for v in self.train_loss],
+            "train_accuracy": [float(v) for v in self.train_accuracy],
+            "wall_time_s": self.wall_time_s,
+        }
+
+
+@dataclasses.dataclass
+class GridResult:
+    """Outcome of :func:`train_grid`.
+
+    Attributes:
+      runs: one :class:`RunResult` per configuration.
+      graphdef, params, rest: the final model state, arrays with a leading ``K`` axis.
+      opt_state: the final optimizer state, leading ``K`` axis (for diagnostics).
+      wall_time_s: wall time of the loop (including compilation and evaluation).
+      compile_time_s: time of the first step (compilation plus one step).
+      step_time_s: mean time of one (vmapped) step after the first, evaluation excluded.
+      tokens_per_s: ``K * batch_size * seq_len / step_time_s``.
+      start_step: step the loop started from (non-zero after a resume).
+    """
+
+    runs: list[RunResult]
+    graphdef: nnx.GraphDef
+    params: PyTree
+    rest: PyTree
+    opt_state: PyTree
+    wall_time_s: float
+    compile_time_s: float
+    step_time_s: float
+    tokens_per_s: float
+    start_step: int = 0
+
+
+def write_jsonl(
+    path: str | os.PathLike, records: Sequence[Mapping], *, append: bool = True
+) -> None:
+    """Write records as JSON lines (NumPy scalars and arrays become numbers and lists)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a" if append else "w") as f:
+        for record in records:
+            f.write(json.dumps(record, default=_json_default) + "\n")
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Read a JSON-lines file written by :func:`write_jsonl`."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _json_default(obj):
+    if isinstance(obj, np.ndarray | jax.Array):
+        return np.asarray(obj).tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"not JSON serialisable: {type(obj)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints.
+# ---------------------------------------------------------------------------------------------
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint exists but cannot be restored (corrupt, incomplete or incompatible)."""
+
+
+class TrainState(NamedTuple):
+    """Everything a grid's step depends on; arrays other than ``step`` have a leading K axis."""
+
+    step: jax.Array  # () int32, number of updates done
+    params: PyTree
+    rest: PyTree
+    opt_state: optax.OptState
+    data_key: jax.Array  # (K, 2) uint32, raw key data of each run's data key
+
+
+def _checkpoint_manager(directory: str | os.PathLike, max_to_keep: int = 2, create: bool = True):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=create, enable_async_checkpointing=False
+    )
+    return ocp.CheckpointManager(
+        os.path.abspath(directory), options=options, item_names=("state", "meta")
+    )
+
+
+def save_checkpoint(
+    directory: str | os.PathLike, step: int, tree: PyTree, meta: Mapping, *, max_to_keep: int = 2
+) -> None:
+    """Save a pytree of arrays and a JSON-able ``meta`` dict as checkpoint ``step``."""
+    import orbax.checkpoint as ocp
+
+    with _checkpoint_manager(directory, max_to_keep) as mngr:
+        mngr.save(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(dict(meta))
+            ),
+            force=True,
+        )
+        mngr.wait_until_finished()
+
+
+def latest_checkpoint_step(directory: str | os.PathLike) -> int | None:
+    """The newest checkpoint step in ``directory``, or ``None`` if there is none."""
+    if not os.path.isdir(directory):
+        return None
+    with _checkpoint_manager(directory, create=False) as mngr:
+        return mngr.latest_step()
+
+
+def restore_checkpoint(
+    directory: str | os.PathLike, target: PyTree, step: int | None = None
+) -> tuple[PyTree, dict, int]:
+    """Restore ``(tree, meta, step)``; ``target`` gives the tree's structure, shapes and dtypes.
+
+    Raises:
+      FileNotFoundError: no checkpoint (or not the requested step) in ``directory``.
+      CheckpointError: the checkpoint exists but cannot be read back into ``target``.
+    """
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"no checkpoint directory {directory!r}; train without resume=True to create one."
+        )
+    with _checkpoint_manager(directory, create=False) as mngr:
+        steps = mngr.all_steps()
+        if not steps:
+            raise FileNotFoundError(
+                f"no checkpoint in {directory!r}; train without resume=True to create one."
+            )
+        step = max(steps) if step is None else int(step)
+        if step not in steps:
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {directory!r}; have {steps}."
+            )
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), target
+        )
+        try:
+            restored = mngr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+            tree, meta = restored["state"], restored["meta"]
+            if meta is None:
+                raise ValueError("metadata item is missing")
+        except Exception as err:  # orbax raises many types for damaged files
+            raise CheckpointError(
+                f"checkpoint step {step} in {directory!r} is corrupt or incompatible with this "
+                f"run ({type(err).__name__}: {err}). Delete it or pass a fresh checkpoint_dir."
+            ) from err
+    leaves_ok = jax.tree.structure(tree) == jax.tree.structure(abstract) and all(
+        np.shape(a) == np.shape(b)
+        for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(abstract), strict=True)
+    )
+    if not leaves_ok:
+        raise CheckpointError(
+            f"checkpoint step {step} in {directory!r} does not match this run's state structure."
+        )
+    return tree, meta, step
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid loop.
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _constant_make_tx(tx: optax.GradientTransformation) -> MakeTx:
+    # Cached by the transformation's identity, so repeated runs reuse compiled programs.
+    return lambda: tx
+
+
+def _as_make_tx(tx: MakeTx | optax.GradientTransformation) -> MakeTx:
+    if isinstance(tx, optax.GradientTransformation):
+        return _constant_make_tx(tx)
+    if not callable(tx):
+        raise TypeError("pass an optax.GradientTransformation or make_tx(**hparams) -> one.")
+    return tx
+
+
+@functools.lru_cache(maxsize=32)
+def _programs(graphdef: nnx.GraphDef, task: tasks_lib.Task, make_tx: MakeTx):
+    """Jitted (opt-init, step) programs, cached so repeated runs reuse their compilations."""
+
+    def opt_init(params, hparams):
+        return jax.vmap(lambda p, hp: make_tx(**hp).init(p))(params, hparams)
+
+    def one_step(params, rest, opt_state, data_key, hparams, step):
+        batch = task.train_batch(jax.random.wrap_key_data(data_key), step)
+        return train_step(
+            params, opt_state, batch, hparams, graphdef=graphdef, rest=rest, make_tx=make_tx
+        )
+
+    def step_fn(state: TrainState, hparams):
+        params, opt_state, metrics = jax.vmap(one_step, in_axes=(0, 0, 0, 0, 0, None))(
+            state.params, state.rest, state.opt_state, state.data_key, hparams, state.step
+        )
+        new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, metrics
+
+    return jax.jit(opt_init), jax.jit(step_fn, donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=32)
+def _param_metrics_program(fn: Callable[[PyTree], Mapping[str, jax.Array]]):
+    """``fn`` vmapped over the ``K`` configurations and jitted (cached by ``fn``)."""
+    return jax.jit(jax.vmap(fn))
+
+
+@functools.lru_cache(maxsize=32)
+def _eval_program(graphdef: nnx.GraphDef):
+    """Jitted ``(params_K, rest_K, batch) -> (K, 3)`` sums of (cross-entropy, correct, count)."""
+
+    def eval_one(params, rest, batch):
+        logits = apply_model(graphdef, params, rest, batch["inputs"])
+        ce, count = tasks_lib.cross_entropy_sum(logits, batch)
+        return jnp.stack([ce, tasks_lib.correct_sum(logits, batch), count])
+
+    return jax.jit(jax.vmap(eval_one, in_axes=(0, 0, None)))
+
+
+def _eval_chunks(split: Mapping[str, np.ndarray], size: int) -> list[dict[str, np.ndarray]]:
+    n = split["targets"].shape[0]
+    size = min(size, n)
+    padded = math.ceil(n / size) * size
+
+    def pad(v):
+        return np.concatenate([v, np.zeros((padded - n, *v.shape[1:]), v.dtype)])
+
+    full = {k: pad(np.asarray(v)) for k, v in split.items()}
+    return [{k: v[i : i + size] for k, v in full.items()} for i in range(0, padded, size)]
+
+
+def evaluate(
+    graphdef: nnx.GraphDef,
+    params: PyTree,
+    rest: PyTree,
+    split: Mapping[str, np.ndarray],
+    *,
+    batch_size: int = 512,
+) -> dict[str, np.ndarray]:
+    """Masked mean loss and accuracy of K stacked models (leading K axis) on a split.
+
+    ``split`` is a batch dict (e.g. ``task.splits["test"]``); it is evaluated in chunks of
+    ``batch_size``, padded with ``mask = 0``. Returns ``{"loss", "accuracy"}`` of shape (K,).
+    """
+    eval_fn = _eval_program(graphdef)
+    totals = np.zeros((jax.tree.leaves(params)[0].shape[0], 3))
+    for chunk in _eval_chunks(split, batch_size):
+        totals = totals + np.asarray(eval_fn(params, rest, chunk), np.float64)
+    count = np.maximum(totals[:, 2], 1.0)
+    return {"loss": totals[:, 0] / count, "accuracy": totals[:, 1] / count}
+
+
+def _broadcast_grid(
+    hparams: Mapping[str, Any] | None, seeds: int | Sequence[int]
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    # Kept in float64 on the host (reported as given); the step receives float32 copies.
+    hparams = {k: np.atleast_1d(np.asarray(v, np.float64)) for k, v in (hparams or {}).items()}
+    sizes = {v.shape[0] for v in hparams.values()}
+    for name, v in hparams.items():
+        if v.ndim != 1:
+            raise ValueError(f"hparams[{name!r}] must be a scalar or a (K,) array, got {v.shape}.")
+    seeds_arr = np.atleast_1d(np.asarray(seeds, np.int64))
+    if seeds_arr.ndim != 1:
+        raise ValueError("seeds must be an int or a 1-D sequence of ints.")
+    sizes.add(seeds_arr.shape[0])
+    k = max(sizes)
+    if not sizes <= {1, k}:
+        raise ValueError(f"hparams and seeds have inconsistent grid sizes {sorted(sizes)}.")
+    hparams = {n: np.broadcast_to(v, (k,)).copy() for n, v in hparams.items()}
+    return hparams, np.broadcast_to(seeds_arr, (k,)).copy()
+
+
+def _host(tree: PyTree) -> PyTree:
+    return jax.tree.map(np.asarray, tree)
+
+
+def train_grid(
+    task: tasks_lib.Task,
+    model_config: SSMConfig,
+    make_tx: MakeTx | optax.GradientTransformation,
+    hparams: Mapping[str, Any] | None = None,
+    seeds: int | Sequence[int] = 0,
+    config: TrainConfig = TrainConfig(),
+    *,
+    checkpoint_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    stop_at: int | None = None,
+    metrics_path: str | os.PathLike | None = None,
+    keep_params: bool = True,
+    desc: str | None = None,
+    param_metrics: Callable[[PyTree], Mapping[str, jax.Array]] | None = None,
+) -> GridResult:
+    """Train ``K`` configurations of one model on one task as a single vmapped program.
+
+    Args:
+      task: a :class:`~optax_decoupled.experiments.tasks.Task`.
+      model_config: the model; its input/head fields must match ``task.model_kwargs()``.
+      make_tx: ``make_tx(**hparams) -> GradientTransformation`` (called inside the traced
+        step with scalar tracers), or a fixed ``GradientTransformation``.
+      hparams: ``{name: (K,) array}`` (scalars broadcast), passed to ``make_tx``.
+      seeds: an int (all configurations share model init and data order) or ``(K,)`` seeds.
+        A seed fixes the model init and the data order (:func:`seed_keys`).
+      config: loop settings (:class:`TrainConfig`).
+      checkpoint_dir: where orbax checkpoints go (every ``config.checkpoint_every`` steps, at
+        ``stop_at`` and at the end).
+      resume: continue from the latest checkpoint in ``checkpoint_dir``; raises
+        ``FileNotFoundError`` if there is none and :class:`CheckpointError` if it is unusable.
+      stop_at: stop after this many steps (saving a checkpoint), to emulate an interruption.
+      metrics_path: append JSON lines here (``"eval"`` records per configuration and
+        evaluation, a ``"final"`` record per configuration).
+      keep_params: store each configuration's final parameters in its :class:`RunResult`.
+      desc: progress-bar label.
+      param_metrics: ``params -> {name: scalar}`` (e.g. weight norms per group), evaluated
+        per configuration at every evaluation and stored in its ``evals`` records.
+
+    Returns:
+      A :class:`GridResult`. The result is a deterministic function of the arguments.
+    """
+    for field, value in task.model_kwargs().items():
+        if getattr(model_config, field) != value:
+            raise ValueError(
+                f"model_config.{field}={getattr(model_config, field)!r} but task {task.name!r} "
+                f"needs {value!r}; build the config with SSMConfig(**task.model_kwargs(), ...)."
+            )
+    if (resume or stop_at is not None or config.checkpoint_every) and checkpoint_dir is None:
+        raise ValueError("resume, stop_at and checkpoint_every need a checkpoint_dir.")
+    hp, seeds_arr = _broadcast_grid(hparams, seeds)
+    k = seeds_arr.shape[0]
+    steps = config.steps
+    make_tx = _as_make_tx(make_tx)
+    graphdef = model_graphdef(model_config)
+    opt_init, step_fn = _programs(graphdef, task, make_tx)
+    hp_dev = {n: jnp.asarray(v, jnp.float32) for n, v in hp.items()}
+
+    t_start = time.perf_counter()
+    model_keys = jnp.stack([seed_keys(int(s))[0] for s in seeds_arr])
+    data_keys = jnp.stack([jax.random.key_data(seed_keys(int(s))[1]) for s in seeds_arr])
+    _, params, rest = init_models(model_config, model_keys)
+    opt_state = opt_init(params, hp_dev)
+    state = TrainState(jnp.asarray(0, jnp.int32), params, rest, opt_state, data_keys)
+    history = {
+        "loss": np.full((k, steps), np.nan, np.float32),
+        "accuracy": np.full((k, steps), np.nan, np.float32),
+        "grad_norm": np.full((k, steps), np.nan, np.float32),
+    }
+    evals: list[list[dict]] = [[] for _ in range(k)]
+    meta = {
+        "task": task.name,
+        "model_config": dataclasses.asdict(model_config),
+        "steps": steps,
+        "batch_size": task.batch_size,
+        "seeds": seeds_arr.tolist(),
+        "hparams": {n: v.tolist() for n, v in hp.items()},
+    }
+
+    start_step = 0
+    if resume:
+        target = {"state": state, "history": history}
+        restored, saved_meta, start_step = restore_checkpoint(checkpoint_dir, target)
+        for key in ("task", "model_config", "seeds", "hparams", "steps", "batch_size"):
+            if json.loads(json.dumps(meta[key])) != saved_meta.get(key):
+                raise CheckpointError(
+                    f"checkpoint in {checkpoint_dir!r} was written by a different run: {key} "
+                    f"is {saved_meta.get(key)!r} there and {meta[key]!r} here."
+                )
+        # Through host memory, so the arrays are uncommitted like freshly initialised ones and
+        # the cached step program is reused instead of recompiled for committed inputs.
+        state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), restored["state"])
+        history = {n: np.array(v) for n, v in restored["history"].items()}
+        evals = saved_meta["evals"]
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(
+            checkpoint_dir,
+            step,
+            {"state": state, "history": history},
+            {**meta, "evals": evals},
+            max_to_keep=config.max_to_keep,
+        )
+
+    def run_eval(splits: Sequence[str]) -> dict[str, np.ndarray]:
+        out = {}
+        for name in splits:
+            res = evaluate(
+                graphdef,
+                state.params,
+                state.rest,
+                task.splits[name],
+                batch_size=config.eval_batch_size,
+            )
+            out[f"{name}_loss"], out[f"{name}_accuracy"] = res["loss"], res["accuracy"]
+        if param_metrics is not None:
+            metrics = _param_metrics_program(param_metrics)(state.params)
+            out.update({n: np.asarray(v) for n, v in metrics.items()})
+        return out
+
+    pending: list[tuple[int, dict]] = []
+
+    def flush() -> None:
+        for s, m in jax.device_get(pending):
+            for name in history:
+                history[name][:, s] = m[name]
+        pending.clear()
+
+    from tqdm.auto import tqdm
+
+    end = steps if stop_at is None else min(stop_at, steps)
+    bar = tqdm(total=steps, initial=start_step, disable=not config.progress, desc=desc or task.name)
+    compile_time = eval_time = 0.0
+    t_loop = t_steady = time.perf_counter()
+    for s in range(start_step, end):
+        state, metrics = step_fn(state, hp_dev)
+        pending.append((s, metrics))
+        if s == start_step:
+            jax.block_until_ready(state)
+            compile_time = time.perf_counter() - t_loop
+            t_steady = time.perf_counter()
+        done = s + 1
+        bar.update(1)
+        if done % config.log_every == 0:
+            flush()
+            bar.set_postfix(loss=f"{np.nanmean(history['loss'][:, s]):.4f}", refresh=False)
+        if done % config.eval_every == 0 or done == steps:
+            jax.block_until_ready(state)
+            t_eval = time.perf_counter()
+            flush()
+            results = run_eval(config.eval_splits)
+            since = max(0, done - config.eval_every)
+            records = []
+            for i in range(k):
+                rec = {"step": done, **{n: float(v[i]) for n, v in results.items()}}
+                evals[i].append(rec)
+                records.append(
+                    {
+                        "event": "eval",
+                        "run": i,
+                        "seed": int(seeds_arr[i]),
+                        "hparams": {n: float(v[i]) for n, v in hp.items()},
+                        "train_loss": float(np.mean(history["loss"][i, since:done])),
+                        **rec,
+                    }
+                )
+            if metrics_path is not None:
+                write_jsonl(metrics_path, records)
+            acc = results.get(f"{config.eval_splits[0]}_accuracy") if config.eval_splits else None
+            if acc is not None:
+                bar.set_postfix(
+                    loss=f"{np.nanmean(history['loss'][:, s]):.4f}", acc=f"{np.max(acc):.4f}"
+                )
+            eval_time += time.perf_counter() - t_eval
+        if checkpoint_dir is not None and (
+            (config.checkpoint_every and done % config.checkpoint_every == 0) or done == end
+        ):
+            jax.block_until_ready(state)
+            t_ck = time.perf_counter()
+            flush()
+            checkpoint(done)
+            eval_time += time.perf_counter() - t_ck
+    jax.block_until_ready(state)
+    flush()
+    bar.close()
+    t_end = time.perf_counter()
+    n_steady = end - start_step - 1
+    step_time = (t_end - t_steady - eval_time) / n_steady if n_steady > 0 else float("nan")
+    tokens_per_s = k * task.batch_size * task.seq_len / step_time if n_steady > 0 else float("nan")
+
+    final = run_eval(config.final_splits) if end == steps else {}
+    wall = time.perf_counter() - t_start
+    host_params = _host(state.params) if keep_params else None
+    runs = []
+    for i in range(k):
+        run = RunResult(
+            index=i,
+            seed=int(seeds_arr[i]),
+            hparams={n: float(v[i]) for n, v in hp.items()},
+            train_loss=history["loss"][i],
+            train_accuracy=history["accuracy"][i],
+            grad_norm=history["grad_norm"][i],
+            evals=list(evals[i]),
+            final={n: float(v[i]) for n, v in final.items()},
+            wall_time_s=wall,
+            params=jax.tree.map(lambda v, i=i: v[i], host_params) if keep_params else None,
+        )
+        runs.append(run)
+    if metrics_path is not None and end == steps:
+        write_jsonl(metrics_path, [r.to_dict() for r in runs])
+    return GridResult(
+        runs=runs,
+        graphdef=graphdef,
+        params=state.params,
+        rest=state.rest,
+        opt_state=state.opt_state,
+        wall_time_s=wall,
+        compile_time_s=compile_time,
+        step_time_s=step_time,
+        tokens_per_s=tokens_per_s,
+        start_step=start_step,
+    )
+
+
+def train(
+    task: tasks_lib.Task,
+    model_config: SSMConfig,
+    tx: MakeTx | optax.GradientTransformation,
+    *,
+    seed: int = 0,
+    hparams: Mapping[str, float] | None = None,
+    config: TrainConfig = TrainConfig(),
+    **kwargs: Any,
+) -> RunResult:
+    """Train one configuration (a grid of size 1); keyword arguments as :func:`train_grid`."""
+    hparams = {n: [v] for n, v in (hparams or {}).items()}
+    return train_grid(task, model_config, tx, hparams, [seed], config, **kwargs).runs[0]

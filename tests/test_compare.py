@@ -1,0 +1,123 @@
+"""The comparison, the lr × wd grid and the report, at smoke size; analysis by hand."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from optax_decoupled.experiments import compare, grid, report, tasks
+from optax_decoupled.experiments import train as train_lib
+
+
+def test_analyse_axis_aligned_basin():
+    lrs = np.array([1e-4, 1e-3, 1e-2, 1e-1])
+    wds = np.array([1e-3, 1e-2, 1e-1, 1.0])
+    # the best weight decay is 1e-1 whatever the learning rate: slope 0
+    loss = 1.0 + (np.log10(wds)[None, :] + 1) ** 2 + 0.1 * (np.log10(lrs)[:, None] + 2) ** 2
+    a = grid.analyse(loss, lrs, wds, tolerance=0.5)
+    assert a["best_wd_per_lr"] == [0.1] * 4
+    assert a["log_slope"] == pytest.approx(0.0, abs=1e-12)
+    assert a["best"] == {"learning_rate": 1e-2, "weight_decay": 0.1, "val_loss": 1.0}
+
+
+def test_analyse_diagonal_valley():
+    lrs = np.array([1e-4, 1e-3, 1e-2, 1e-1])
+    wds = np.array([1e-3, 1e-2, 1e-1, 1.0])
+    # only the product lr * wd matters, optimum at lr * wd = 1e-4: slope -1, correlation -1
+    x = np.log10(lrs)[:, None] + np.log10(wds)[None, :]
+    loss = 1.0 + (x + 4) ** 2
+    a = grid.analyse(loss, lrs, wds, tolerance=0.01)
+    assert a["log_slope"] == pytest.approx(-1.0)
+    assert a["near_optimal_corr"] == pytest.approx(-1.0)
+    assert a["near_optimal_cells"] == 4  # the anti-diagonal lr * wd = 1e-4
+
+
+def test_analyse_ignores_diverged_cells():
+    loss = np.array([[1.0, np.nan], [np.inf, 0.5]])
+    a = grid.analyse(loss, [1e-3, 1e-2], [0.1, 1.0])
+    assert a["best"]["val_loss"] == 0.5
+    assert a["best_wd_per_lr"] == [0.1, 1.0]
+
+
+def test_specs_centre_lion_and_scale_decay_by_convention():
+    specs = compare.default_specs((1e-3, 1e-2), 3)
+    assert specs["lion"].lrs == pytest.approx((2e-4, 2e-3))
+    assert specs["lion"].wds == pytest.approx(tuple(5 * w for w in specs["adamw"].wds))
+    assert specs["adamw_schedule"].convention == "schedule"
+    assert specs["adam_l2"].coupled and not specs["adamw"].coupled
+    assert specs["amsgrad"].amsgrad == "pytorch"
+    with pytest.raises(ValueError, match="unknown optimizers"):
+        compare.CompareConfig(optimizers=("sgd",)).specs()
+
+
+def test_vmapped_grid_equals_runs_one_by_one():
+    """A 2 x 2 lr x wd grid trained as one program equals the four runs done separately."""
+    task = tasks.sequential_digits(batch_size=8)
+    cfg = compare.CompareConfig.preset("smoke")
+    spec = compare.default_specs((1e-3, 1e-2), 2)["adamw"]
+    make_tx = compare.make_tx_factory(spec, 4, 1, 1.0)
+    hp, seeds = train_lib.product_grid(
+        {"learning_rate": spec.lrs, "weight_decay": spec.wds}, seeds=[0]
+    )
+    tcfg = train_lib.TrainConfig(steps=4, eval_every=4, progress=False, final_splits=("val",))
+    model = cfg.model_config(task)
+    together = train_lib.train_grid(task, model, make_tx, hp, seeds, tcfg)
+    for i, run in enumerate(together.runs):
+        alone = train_lib.train(
+            task, model, make_tx, seed=0, hparams={n: v[i] for n, v in hp.items()}, config=tcfg
+        )
+        np.testing.assert_allclose(run.train_loss, alone.train_loss, rtol=2e-5)
+        for a, b in zip(jax.tree.leaves(run.params), jax.tree.leaves(alone.params), strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_report_smoke_schema_and_resume(tmp_path):
+    """The main job at smoke size: every optimizer ran, files have their schema, and a second
+    invocation resumes (skips finished parts) instead of recomputing."""
+    path = report.run_report(tmp_path, scale="smoke", parts=("compare", "grid"), progress=False)
+    text = path.read_text()
+    assert "## Coupled L2 vs AdamW" in text and "## Learning rate × weight decay" in text
+    env = json.loads((tmp_path / "environment.json").read_text())
+    assert {"jax", "optax", "optax_decoupled", "device_kind"} <= set(env)
+
+    doc = json.loads((tmp_path / "compare" / "results.json").read_text())
+    cfg = compare.CompareConfig.preset("smoke")
+    assert list(doc["optimizers"]) == list(cfg.optimizers)
+    for name, res in doc["optimizers"].items():
+        ev = res["evaluation"]
+        assert ev["runs"] == len(res["grid"]["learning_rate"]) * len(
+            res["grid"]["weight_decay"]
+        ) * len(cfg.eval_seeds)
+        assert len(ev["test_accuracy"]["values"]) == len(cfg.eval_seeds)
+        assert 0.0 <= ev["test_accuracy"]["mean"] <= 1.0
+        curve = np.asarray(ev["train_loss_curve"])
+        assert curve.shape == (cfg.steps,) and np.all(np.isfinite(curve))
+        assert len(set(curve.round(6))) > 1, f"{name} did not train"
+        diag = ev["diagnostics"]
+        assert diag["effective_decay"]["n"] > 0
+        assert sum(diag["effective_decay"]["log10_histogram"]) == diag["effective_decay"]["n"]
+        assert "norm/decayed" in diag["group_norms"]
+        assert res["copying"]["steps_budget"] == cfg.copy_steps
+        assert len(res["copying"]["steps_to_target"]) == len(cfg.eval_seeds)
+    for fig in doc["figures"]:
+        assert (tmp_path / "compare" / fig).stat().st_size > 1000
+
+    gdoc = json.loads((tmp_path / "grid" / "results.json").read_text())
+    gcfg = grid.GridConfig.preset("smoke")
+    for name in gcfg.optimizers:
+        res = gdoc["optimizers"][name]
+        shape = (len(gcfg.lrs), gcfg.n_wd, len(gcfg.seeds))
+        assert np.asarray(res["val_loss"]).shape == shape
+        assert np.all(np.isfinite(res["val_loss"]))
+        assert res["analysis"]["best"]["learning_rate"] in gcfg.lrs
+
+    marker = tmp_path / "compare" / "complete.json"
+    before = marker.stat().st_mtime_ns
+    logs = []
+    report.run_report(
+        tmp_path, scale="smoke", parts=("compare", "grid"), progress=False, log=logs.append
+    )
+    assert marker.stat().st_mtime_ns == before
+    assert sum("already done, skipped" in line for line in logs) == 2

@@ -1,0 +1,259 @@
+"""Tests of the SSM trainer: pure step, vmapped grid = one-by-one runs, checkpoint/resume
+bit-identity and errors, JSON lines, schedules, and plugging in optax_decoupled.adamw."""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from optax_decoupled.experiments import ssm, tasks
+from optax_decoupled.experiments import train as train_lib
+
+STEPS = 8
+HPARAMS = {"learning_rate": [1e-3, 3e-3, 1e-2], "weight_decay": [0.0, 0.1, 0.01]}
+SEEDS = [0, 1, 2]
+# One make_tx object for the whole module, so the compiled programs are shared.
+MAKE_TX = train_lib.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=1.0)
+LOOP = train_lib.TrainConfig(steps=STEPS, eval_every=4, eval_batch_size=64, progress=False)
+
+
+@pytest.fixture(scope="module")
+def task():
+    return tasks.induction_heads(seq_len=16, vocab_size=8, batch_size=16, num_eval=64)
+
+
+@pytest.fixture(scope="module")
+def model_config(task):
+    return ssm.SSMConfig(
+        d_model=16, n_layers=1, d_state=8, headdim=8, chunk_size=8, **task.model_kwargs()
+    )
+
+
+@pytest.fixture(scope="module")
+def grid(task, model_config, tmp_path_factory):
+    """The reference: 3 configurations trained for STEPS steps as one vmapped program."""
+    root = tmp_path_factory.mktemp("grid")
+    result = train_lib.train_grid(
+        task,
+        model_config,
+        MAKE_TX,
+        HPARAMS,
+        SEEDS,
+        LOOP,
+        checkpoint_dir=root / "ckpt",
+        metrics_path=root / "metrics.jsonl",
+    )
+    return result, root
+
+
+def test_grid_equals_one_by_one(task, model_config, grid):
+    """Each vmapped configuration equals the same configuration trained alone with the pure
+    functional core (init_model, task.train_batch, train_step) in a plain loop."""
+    result, _ = grid
+
+    @jax.jit
+    def step(params, opt_state, hp, data_key, s, rest):
+        batch = task.train_batch(data_key, s)
+        return train_lib.train_step(
+            params, opt_state, batch, hp, graphdef=graphdef, rest=rest, make_tx=MAKE_TX
+        )
+
+    for k in range(3):
+        hp = {n: jnp.float32(v[k]) for n, v in HPARAMS.items()}
+        model_key, data_key = train_lib.seed_keys(SEEDS[k])
+        graphdef, params, rest = train_lib.init_model(model_config, model_key)
+        opt_state = MAKE_TX(**hp).init(params)
+        losses = []
+        for s in range(STEPS):
+            params, opt_state, metrics = step(params, opt_state, hp, data_key, s, rest)
+            losses.append(float(metrics["loss"]))
+        run = result.runs[k]
+        assert run.seed == SEEDS[k] and run.hparams["learning_rate"] == pytest.approx(
+            hp["learning_rate"]
+        )
+        np.testing.assert_allclose(run.train_loss, losses, rtol=2e-5, atol=1e-6)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), run.params, params
+        )
+    # The three configurations really differ.
+    assert not np.allclose(result.runs[0].train_loss, result.runs[2].train_loss)
+
+
+def test_grid_result_contents(grid):
+    result, root = grid
+    assert len(result.runs) == 3 and result.start_step == 0
+    for run in result.runs:
+        assert run.train_loss.shape == run.train_accuracy.shape == run.grad_norm.shape == (STEPS,)
+        assert np.all(np.isfinite(run.train_loss))
+        assert [e["step"] for e in run.evals] == [4, 8]
+        assert set(run.final) == {"val_loss", "val_accuracy", "test_loss", "test_accuracy"}
+        assert 0.0 <= run.final["test_accuracy"] <= 1.0
+    assert result.step_time_s > 0 and result.tokens_per_s > 0
+    records = train_lib.read_jsonl(root / "metrics.jsonl")
+    evals = [r for r in records if r["event"] == "eval"]
+    finals = [r for r in records if r["event"] == "final"]
+    assert len(evals) == 6 and len(finals) == 3
+    assert {"run", "seed", "hparams", "step", "train_loss", "val_loss", "val_accuracy"} <= set(
+        evals[0]
+    )
+    assert finals[1]["train_loss"] == pytest.approx(result.runs[1].train_loss.tolist())
+    assert finals[2]["hparams"]["weight_decay"] == pytest.approx(0.01)
+
+
+def test_resume_is_bit_identical(task, model_config, grid, tmp_path):
+    result, _ = grid
+    kwargs = dict(checkpoint_dir=tmp_path / "ckpt", metrics_path=tmp_path / "m.jsonl")
+    part = train_lib.train_grid(
+        task, model_config, MAKE_TX, HPARAMS, SEEDS, LOOP, stop_at=5, **kwargs
+    )
+    assert part.runs[0].final == {}
+    assert train_lib.latest_checkpoint_step(tmp_path / "ckpt") == 5
+    resumed = train_lib.train_grid(
+        task, model_config, MAKE_TX, HPARAMS, SEEDS, LOOP, resume=True, **kwargs
+    )
+    assert resumed.start_step == 5
+    for a, b in zip(resumed.runs, result.runs, strict=True):
+        jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
+        np.testing.assert_array_equal(a.train_loss, b.train_loss)
+        assert a.evals == b.evals and a.final == b.final
+
+
+def test_resume_errors(task, model_config, grid, tmp_path):
+    _, root = grid
+    run = lambda d, **kw: train_lib.train_grid(  # noqa: E731
+        task,
+        model_config,
+        MAKE_TX,
+        kw.pop("hp", HPARAMS),
+        SEEDS,
+        LOOP,
+        checkpoint_dir=d,
+        resume=True,
+        **kw,
+    )
+    # Missing: no directory, or a directory without checkpoints.
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        run(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        run(tmp_path / "empty")
+    # A checkpoint of a different run.
+    other = {**HPARAMS, "weight_decay": [0.5, 0.5, 0.5]}
+    with pytest.raises(train_lib.CheckpointError, match="different run"):
+        run(root / "ckpt", hp=other)
+    # Corrupt: overwrite every array file of the latest checkpoint with garbage.
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(root / "ckpt", corrupt)
+    step_dir = corrupt / str(train_lib.latest_checkpoint_step(corrupt)) / "state"
+    damaged = 0
+    for dirpath, _, files in os.walk(step_dir):
+        for name in files:
+            with open(os.path.join(dirpath, name), "wb") as f:
+                f.write(b"not a checkpoint")
+            damaged += 1
+    assert damaged > 0
+    with pytest.raises(train_lib.CheckpointError, match="corrupt"):
+        run(corrupt)
+
+
+def test_restore_checkpoint_roundtrip_and_missing_step(tmp_path):
+    tree = {"a": np.arange(3.0), "b": {"c": np.ones((2, 2), np.int32)}}
+    train_lib.save_checkpoint(tmp_path, 3, tree, {"note": "x"})
+    restored, meta, step = train_lib.restore_checkpoint(tmp_path, tree)
+    assert step == 3 and meta == {"note": "x"}
+    jax.tree.map(np.testing.assert_array_equal, restored, tree)
+    with pytest.raises(FileNotFoundError, match="step 4"):
+        train_lib.restore_checkpoint(tmp_path, tree, step=4)
+    with pytest.raises(train_lib.CheckpointError):
+        train_lib.restore_checkpoint(tmp_path, {"a": np.arange(3.0)})
+
+
+def test_warmup_cosine_accepts_traced_peak():
+    peaks = jnp.asarray([1e-3, 1e-2])
+    counts = jnp.arange(12)
+    got = jax.jit(
+        jax.vmap(
+            lambda p: jax.vmap(train_lib.warmup_cosine(p, total_steps=10, warmup_steps=3))(counts)
+        )
+    )(peaks)
+    for p, row in zip([1e-3, 1e-2], got, strict=True):
+        want = optax.warmup_cosine_decay_schedule(0.0, p, 3, 10)(counts)
+        np.testing.assert_allclose(row, want, rtol=1e-6, atol=1e-12)
+    no_warmup = train_lib.warmup_cosine(2.0, total_steps=4)
+    np.testing.assert_allclose(
+        no_warmup(jnp.arange(5)), 2.0 * optax.cosine_decay_schedule(1.0, 4)(jnp.arange(5))
+    )
+
+
+def test_scheduled_matches_hand_built_chain():
+    params = {"w": jnp.asarray([[1.0, -2.0], [0.5, 3.0]])}
+    grads = {"w": jnp.asarray([[4.0, 0.1], [-2.0, 1.0]])}
+    make_tx = train_lib.scheduled(optax.adamw, total_steps=10, warmup_steps=2, clip_norm=1.0)
+    tx = make_tx(learning_rate=0.1, weight_decay=0.3)
+    ref = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 0.1, 2, 10), weight_decay=0.3),
+    )
+    sa, sb = tx.init(params), ref.init(params)
+    for _ in range(4):
+        ua, sa = tx.update(grads, sa, params)
+        ub, sb = ref.update(grads, sb, params)
+        np.testing.assert_allclose(ua["w"], ub["w"], rtol=1e-6)
+    with pytest.raises(TypeError, match="learning_rate"):
+        make_tx(weight_decay=0.1)
+
+
+def test_product_grid():
+    hp, seeds = train_lib.product_grid(
+        {"learning_rate": [1e-3, 1e-2], "weight_decay": [0, 1]}, [7, 8]
+    )
+    assert hp["learning_rate"].tolist() == pytest.approx([1e-3] * 4 + [1e-2] * 4)
+    assert hp["weight_decay"].tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert seeds.tolist() == [7, 8] * 4
+
+
+def test_argument_errors(task, model_config):
+    with pytest.raises(ValueError, match="inconsistent"):
+        train_lib.train_grid(task, model_config, MAKE_TX, {"learning_rate": [1, 2]}, [0, 1, 2])
+    wrong = ssm.SSMConfig(d_model=16, headdim=8, vocab_size=5, num_classes=5)
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_lib.train_grid(task, wrong, optax.sgd(0.1))
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        train_lib.train_grid(task, model_config, optax.sgd(0.1), resume=True)
+    with pytest.raises(ValueError):
+        train_lib.TrainConfig(steps=0)
+
+
+def test_optax_decoupled_adamw_plugs_in(task, model_config):
+    """optax_decoupled.adamw(mask="auto") trains in the grid, and its mask on the SSM's
+    parameters is the one written out by hand: decay only the >= 2-D kernels, never A_log, D,
+    dt_bias, norm scales, biases or the embedding."""
+    od = pytest.importorskip("optax_decoupled")
+    if not hasattr(od, "adamw"):
+        pytest.skip("optax_decoupled.adamw is not available yet")
+
+    _, params, _ = train_lib.init_model(model_config, 0)
+    by_hand = jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", params)
+    assert od.masks.resolve_mask("auto", params) == by_hand
+
+    steps = 6
+    loop = train_lib.TrainConfig(
+        steps=steps, eval_every=steps, eval_splits=(), final_splits=(), progress=False
+    )
+    make_tx = train_lib.scheduled(
+        od.adamw, total_steps=steps, warmup_steps=1, clip_norm=1.0, mask="auto"
+    )
+    hp = {"learning_rate": [1e-2, 1e-2], "weight_decay": [0.0, 0.5]}
+    result = train_lib.train_grid(task, model_config, make_tx, hp, 0, loop)
+    no_decay, decay = result.runs
+    assert np.all(np.isfinite(no_decay.train_loss)) and np.all(np.isfinite(decay.train_loss))
+    # Same seed, same data: the first step (taken before any decay acts on the loss) agrees.
+    assert no_decay.train_loss[0] == decay.train_loss[0]
+    # Decay shrinks the decayed kernels relative to the undecayed run.
+    k0 = no_decay.params["layers"][0]["mixer"]["in_proj"]["kernel"]
+    k1 = decay.params["layers"][0]["mixer"]["in_proj"]["kernel"]
+    assert np.linalg.norm(k1) < np.linalg.norm(k0)

@@ -13,7 +13,7 @@ The core imports only jax, optax and chex.
 
 from optax_decoupled.aliases import adam_l2, adamw, amsgrad, lion
 from optax_decoupled.masks import DecayMask, decay_mask, resolve_mask
-from optax_decoupled.storage import resolve_storage
+from optax_decoupled.storage import BlockwiseInt8Storage, resolve_storage
 from optax_decoupled.transforms import (
     AMSGRAD_VARIANTS,
     DECAY_CONVENTIONS,
@@ -34,6 +34,7 @@ __all__ = [
     "AMSGRAD_VARIANTS",
     "DECAY_CONVENTIONS",
     "AddL2GradientState",
+    "BlockwiseInt8Storage",
     "DecayMask",
     "DecoupledWeightDecayState",
     "ScaleByAdamState",

@@ -25,6 +25,9 @@ from typing import Any
 import jax
 import optax
 
+from optax_decoupled import storage
+from optax_decoupled.quantization import QuantizedArray
+
 
 def state_shardings(
     tx: optax.GradientTransformation,
@@ -47,10 +50,11 @@ def state_shardings(
     shapes = jax.eval_shape(tx.init, params)
     return optax.tree_utils.tree_map_params(
         tx,
-        lambda _, sharding: sharding,
+        storage.stored_sharding,  # 8-bit moments: codes/scales split like the leading axis
         shapes,
         param_shardings,
         transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, QuantizedArray),
     )
 
 

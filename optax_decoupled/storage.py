@@ -19,11 +19,30 @@ Accepted ``state_dtype`` values:
 ``"float32"``          float32 moments (e.g. for bfloat16/float16 parameters)
 ``"bfloat16"``         bfloat16 moments, round-to-nearest-even on write
 ``"float16"``          float16 moments
+``"int8"``             8-bit block-wise quantized moments (:class:`BlockwiseInt8Storage`
+                       with its defaults: blocks of 256, tensors under 4096 elements in
+                       float32)
+a storage object       any :class:`MomentStorage`, e.g.
+                       ``BlockwiseInt8Storage(block_size=2048, min_size=0)``
 =====================  ==========================================================
 
 ``jnp.float32``, ``jnp.bfloat16`` and ``numpy.dtype`` objects are accepted too. Inside
-``optax.inject_hyperparams`` pass a string (``jnp.bfloat16`` is callable and would be taken for a
-schedule).
+``optax.inject_hyperparams`` pass a string or a storage object (``jnp.bfloat16`` is callable
+and would be taken for a schedule).
+
+**8-bit block-wise storage** (Dettmers et al., "8-bit Optimizers via Block-wise Quantization",
+ICLR 2022). A moment of a parameter with at least ``min_size`` elements is kept as a
+:class:`~optax_decoupled.quantization.QuantizedArray`: one uint8 code per element and one
+float32 absmax per block of ``block_size`` consecutive (row-major) elements, i.e.
+:math:`1 + 4/B` bytes per element (1.016 for :math:`B = 256`) instead of 4. Moments that can be
+negative (:math:`\\mu`) use the signed dynamic map, non-negative ones (:math:`\\nu`,
+:math:`\\nu_{max}`) the unsigned one, so :math:`\\nu` never reads back negative. Each step
+dequantizes to float32, computes the update in float32 and requantizes the new moments, all
+inside the (jitted) ``update``. Smaller tensors (biases, norms, the SSM's ``A_log``/``D``) stay
+in float32, as in bitsandbytes (``min_8bit_size=4096``): they cost little memory and are the
+most sensitive to quantization. See :mod:`optax_decoupled.quantization` for the maps, the
+rounding, extreme values and the block layout (and how it lines up with leading-axis
+sharding).
 """
 
 from __future__ import annotations
@@ -34,6 +53,8 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from optax_decoupled import quantization as quant_lib
 
 StateDtype = Any  # None | str | jnp dtype
 
@@ -90,6 +111,85 @@ class FloatStorage:
         return value.astype(self.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockwiseInt8Storage:
+    """8-bit block-wise quantized moments (``state_dtype="int8"``); see the module docstring.
+
+    Attributes:
+      block_size: elements per block :math:`B` (one float32 absmax each). 256 (default, as
+        bitsandbytes' optimizers) costs 1.016 bytes per element, 2048 (the paper's) 1.002.
+      min_size: parameters with fewer elements keep float32 moments (bitsandbytes'
+        ``min_8bit_size``, default 4096). ``0`` quantizes everything.
+    """
+
+    block_size: int = quant_lib.DEFAULT_BLOCK_SIZE
+    min_size: int = 4096
+    name: str = "int8"
+
+    def __post_init__(self):
+        quant_lib._check_block_size(self.block_size)
+        if not isinstance(self.min_size, int | np.integer) or self.min_size < 0:
+            raise ValueError(f"`min_size` must be a non-negative int, got {self.min_size!r}.")
+
+    def quantizes(self, param: Any) -> bool:
+        """Whether a parameter of this size gets 8-bit moments (else float32)."""
+        size = int(np.prod(jnp.shape(param), dtype=np.int64))
+        return size > 0 and size >= self.min_size
+
+    def init(self, param: jax.Array, signed: bool) -> Any:
+        if not self.quantizes(param):
+            return jnp.zeros_like(param, dtype=jnp.float32)
+        # Quantizing zeros (rather than building the codes from scratch) keeps the state's
+        # layout, and any sharding, derived from the parameter.
+        zeros = jnp.zeros_like(param, dtype=jnp.float32)
+        return quant_lib.quantize(zeros, signed=signed, block_size=self.block_size)
+
+    def read(self, stored: Any, like: jax.Array) -> jax.Array:
+        dtype = jnp.promote_types(jnp.float32, jnp.result_type(like))
+        if isinstance(stored, quant_lib.QuantizedArray):
+            return quant_lib.dequantize(stored, jnp.shape(like)).astype(dtype)
+        return stored.astype(dtype)
+
+    def write(self, value: jax.Array, like: jax.Array, signed: bool) -> Any:
+        if not self.quantizes(like):
+            return value.astype(jnp.float32)
+        return quant_lib.quantize(value, signed=signed, block_size=self.block_size)
+
+
+def stored_sharding(stored: Any, param_sharding: Any) -> Any:
+    """The sharding(s) for a stored moment whose parameter has ``param_sharding``.
+
+    A plain array moment takes the parameter's sharding. A
+    :class:`~optax_decoupled.quantization.QuantizedArray` gets its codes ``(n_blocks, B)`` and
+    absmax ``(n_blocks,)`` split along their leading axis like the parameter's leading axis
+    when that axis is sharded over ``S`` devices and ``S`` divides ``n_blocks`` (each device
+    then holds the blocks of its own rows whenever ``(size / S) % B == 0``), and replicated
+    otherwise. Other sharding kinds (a single device) are used as they are.
+    """
+    if not isinstance(stored, quant_lib.QuantizedArray):
+        return param_sharding
+    if not isinstance(param_sharding, jax.sharding.NamedSharding):
+        return quant_lib.QuantizedArray(param_sharding, param_sharding, stored.signed)
+    mesh, spec = param_sharding.mesh, param_sharding.spec
+    lead = spec[0] if len(spec) else None
+    names = () if lead is None else (lead if isinstance(lead, tuple) else (lead,))
+    shards = int(np.prod([mesh.shape[n] for n in names], dtype=np.int64))
+    P = jax.sharding.PartitionSpec
+    if names and stored.codes.shape[0] % shards == 0:
+        codes, absmax = P(lead, None), P(lead)
+    else:
+        codes, absmax = P(), P()
+    named = lambda p: jax.sharding.NamedSharding(mesh, p)  # noqa: E731
+    return quant_lib.QuantizedArray(named(codes), named(absmax), stored.signed)
+
+
+_INT8_NAMES = ("int8",)
+
+
+def _is_storage(obj: Any) -> bool:
+    return all(callable(getattr(obj, m, None)) for m in ("init", "read", "write"))
+
+
 def _as_float_name(state_dtype: Any) -> str | None:
     if isinstance(state_dtype, str):
         return state_dtype if state_dtype in _FLOAT_NAMES else None
@@ -108,11 +208,16 @@ def resolve_storage(state_dtype: StateDtype, *, argument: str = "state_dtype") -
     """
     if state_dtype is None:
         return ParamDtypeStorage()
+    if isinstance(state_dtype, str) and state_dtype in _INT8_NAMES:
+        return BlockwiseInt8Storage()
+    if _is_storage(state_dtype):
+        return state_dtype
     name = _as_float_name(state_dtype)
     if name is None:
         raise ValueError(
-            f"`{argument}` must be None (the parameter dtype), 'float32', 'bfloat16' or "
-            f"'float16' (or the matching jnp dtype), got {state_dtype!r}."
+            f"`{argument}` must be None (the parameter dtype), 'float32', 'bfloat16', "
+            f"'float16' (or the matching jnp dtype), 'int8' (8-bit block-wise) or a storage "
+            f"object such as BlockwiseInt8Storage(block_size=2048), got {state_dtype!r}."
         )
     return FloatStorage(dtype=jnp.dtype(name), name=name)
 

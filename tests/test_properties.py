@@ -11,6 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_decoupled as od
+from optax_decoupled import storage
+
+# 8-bit storage that quantizes even these tiny test tensors (blocks of 8, padded).
+INT8_ALL = storage.BlockwiseInt8Storage(block_size=8, min_size=0)
 
 ALIASES = {
     "adamw": lambda lr, wd, sd: od.adamw(lr, weight_decay=wd, state_dtype=sd),
@@ -31,7 +35,7 @@ hyper = dict(
     lr=st.floats(1e-5, 1e-1),
     wd=st.floats(0.0, 1.0),
     alias=st.sampled_from(sorted(ALIASES)),
-    state_dtype=st.sampled_from([None, "float32", "bfloat16"]),
+    state_dtype=st.sampled_from([None, "float32", "bfloat16", "int8", INT8_ALL]),
 )
 
 
@@ -68,7 +72,11 @@ def _check(params, alias, lr, wd, state_dtype):
             if leaf.dtype != jnp.int32  # step counts
             and leaf.ndim > 0  # injected scalars
         ]
-        assert all(m.dtype == jnp.dtype(state_dtype) for m in moments)
+        if isinstance(state_dtype, storage.BlockwiseInt8Storage) or state_dtype == "int8":
+            # uint8 codes and float32 block scales (or float32 moments for small tensors)
+            assert all(m.dtype in (jnp.uint8, jnp.float32) for m in moments)
+        else:
+            assert all(m.dtype == jnp.dtype(state_dtype) for m in moments)
 
 
 @settings(max_examples=25, deadline=None)

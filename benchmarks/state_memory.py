@@ -1,0 +1,138 @@
+"""8-bit block-wise vs float32 (and bfloat16) AdamW state: step time and state bytes.
+
+One run measures every size side by side. For each size N the parameters are one float32
+matrix of shape (round(N / 1024), 1024) (a multiple of the block size, as real layers are);
+``--ragged`` adds a (N / 1000, 1000) matrix whose size is not a multiple of 256 (padding path).
+The timed step is ``update`` + ``apply_updates`` of ``optax_decoupled.adamw``, jitted with
+the parameters and the state donated (updated in place), as in a training loop. The state
+dtypes are timed in turns (fp32, bf16, int8, fp32, ...), and the median of ``--repeats`` steps
+is reported, so that a machine shared with other jobs slows them alike.
+
+    python benchmarks/state_memory.py                    # 1e6, 1e7, 5e7
+    python benchmarks/state_memory.py --sizes 1e6 --repeats 5 --json out.json
+
+Targets (issue 6): int8 state <= 0.27x float32 for large tensors; step time <= 1.5x float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_decoupled as od
+from optax_decoupled import memory
+
+STATE_DTYPES = ("float32", "bfloat16", "int8")
+
+
+def make_step(state_dtype):
+    tx = od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype=state_dtype)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return tx, jax.jit(step, donate_argnums=(0, 1))
+
+
+def bench_size(shape, repeats: int) -> dict:
+    key = jax.random.key(0)
+    params0 = {"w": jax.random.normal(key, shape, jnp.float32)}
+    grads = {"w": 0.01 * jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32)}
+    runs = {}
+    for sd in STATE_DTYPES:
+        tx, step = make_step(sd)
+        params = jax.tree.map(jnp.copy, params0)
+        state = tx.init(params)
+        sb = memory.state_bytes(state, params)
+        t0 = time.perf_counter()
+        params, state = step(params, state, grads)  # compile + first step
+        jax.block_until_ready((params, state))
+        compile_s = time.perf_counter() - t0
+        runs[sd] = {"step": step, "carry": (params, state), "bytes": sb, "compile_s": compile_s}
+    times = {sd: [] for sd in STATE_DTYPES}
+    for _ in range(repeats):
+        for sd in STATE_DTYPES:
+            r = runs[sd]
+            t0 = time.perf_counter()
+            r["carry"] = r["step"](*r["carry"], grads)
+            jax.block_until_ready(r["carry"])
+            times[sd].append(time.perf_counter() - t0)
+    n = int(np.prod(shape))
+    out = {"shape": list(shape), "num_params": n}
+    for sd in STATE_DTYPES:
+        sb = runs[sd]["bytes"]
+        out[sd] = {
+            "state_bytes": sb.total,
+            "bytes_per_param": sb.per_param,
+            "step_ms_median": 1e3 * float(np.median(times[sd])),
+            "step_ms_min": 1e3 * float(np.min(times[sd])),
+            "compile_s": runs[sd]["compile_s"],
+        }
+    f32 = out["float32"]
+    for sd in ("bfloat16", "int8"):
+        out[sd]["state_ratio"] = out[sd]["state_bytes"] / f32["state_bytes"]
+        out[sd]["time_ratio"] = out[sd]["step_ms_median"] / f32["step_ms_median"]
+    return out
+
+
+def markdown(results: list[dict]) -> str:
+    lines = [
+        "| parameters | shape | state fp32 | state bf16 | state int8 | int8/fp32 state "
+        "| step fp32 (ms) | step bf16 (ms) | step int8 (ms) | bf16/fp32 time | int8/fp32 time |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        f, b, q = r["float32"], r["bfloat16"], r["int8"]
+        fb, bb, qb = (memory.format_bytes(x["state_bytes"]) for x in (f, b, q))
+        lines.append(
+            f"| {r['num_params']:,} | {tuple(r['shape'])} | {fb} | {bb} | {qb} "
+            f"| {q['state_ratio']:.4f} | {f['step_ms_median']:.1f} | {b['step_ms_median']:.1f} "
+            f"| {q['step_ms_median']:.1f} | {b['time_ratio']:.2f} | {q['time_ratio']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 1e7, 5e7])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--ragged", action="store_true", help="also (N/1000, 1000) matrices")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    shapes = []
+    for n in args.sizes:
+        shapes.append((max(1, round(n / 1024)), 1024))
+        if args.ragged:
+            shapes.append((max(1, round(n / 1000)), 1000))
+    results = []
+    for shape in shapes:
+        results.append(bench_size(shape, args.repeats))
+        print(markdown(results[-1:]).splitlines()[-1], flush=True)
+    env = {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "repeats": args.repeats,
+    }
+    print()
+    print(f"jax {env['jax']} on {env['backend']} ({env['device']}, {env['cpu_count']} CPUs)")
+    print(markdown(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "results": results}, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+r"""Block-wise 8-bit quantization with the dynamic (tree) maps of Dettmers et al.
+
+Dettmers, Lewis, Shleifer & Zettlemoyer, "8-bit Optimizers via Block-wise Quantization",
+ICLR 2022 (Sec. 2): a tensor is cut into blocks of :math:`B` consecutive elements; each block
+keeps one float32 scale :math:`N_b = \max_{i\in b}|x_i|` (its *absmax*) and one 8-bit code per
+element, the index of the entry of a 256-value *map* :math:`Q` (sorted, in :math:`[-1, 1]`)
+nearest to :math:`x_i / N_b`:
+
+.. math::
+
+    c_i = \operatorname*{arg\,min}_{j} \big| Q_j - x_i / N_b \big|, \qquad
+    \tilde x_i = Q_{c_i} \, N_b .
+
+**The dynamic maps.** *Dynamic tree quantization* (Dettmers, "8-Bit Approximations for
+Parallelism in Deep Learning", ICLR 2016; the 2022 paper, Sec. 2.2 and Fig. 2) reads an 8-bit
+code as: a sign bit; :math:`E` zero bits giving the decimal exponent :math:`10^{-E}`; an
+indicator bit (the first 1); and the remaining :math:`F = 7 - E - 1` bits as a *linear fraction*
+that splits :math:`[0.1, 1]` into :math:`2^F` equal bins, represented by their midpoints. So
+every decade :math:`[10^{-E-1}, 10^{-E}]` for :math:`E = 0..6` gets :math:`2^{6-E}` values:
+many near the block's maximum, few but still some down to :math:`\approx 5\cdot10^{-7}`. The
+all-zero pattern is 0 and the remaining pattern is 1.0 (so a block's maximum is exact).
+
+* :func:`dynamic_map` ``(signed=True)``: the signed map, for moments of either sign (Adam's and
+  Lion's :math:`\mu`): 127 positive, 127 negative values, 0 and 1 (it has no -1: a block whose
+  absmax is a negative element stores it as :math:`-0.993 N_b`).
+* ``dynamic_map(signed=False)``: the unsigned map, for non-negative moments (:math:`\nu`,
+  :math:`\nu_{max}`): the sign bit becomes one more fraction bit, :math:`2^{7-E}` values per
+  decade, 0 and 1. It has no negative value, so a quantized :math:`\nu` never dequantizes
+  to a negative number.
+
+Both are built here from that description and checked (``tests/test_quantization.py``)
+against the maps recorded from bitsandbytes' ``create_dynamic_map`` by
+``tests/golden/make_dynamic_maps.py``.
+
+**Rounding.** :func:`quantize_blocks` rounds to the *nearest* map value exactly (ties toward
+the value of smaller magnitude), so the round-trip error of an element is at most half the gap
+between the two map values around :math:`x_i/N_b`, times :math:`N_b`
+(:func:`max_roundtrip_error`). The nearest code is found with a lookup table indexed by the
+top bits of :math:`|x_i/N_b|` as a float32 (exponent and the leading mantissa bits) plus one
+comparison, i.e. two small gathers per element, instead of a binary search over the map.
+bitsandbytes' CPU kernel uses an approximate search and picks a farther code for ~0.2% of
+elements; the tests check that our error is never larger than its error.
+
+**Extreme values.** Non-finite magnitudes are first saturated to :math:`\pm` the float32
+maximum, so an overflowing :math:`\nu = g^2 = \infty` is stored as ``float32.max`` (and reads
+back finite) instead of turning its whole block into NaN. A block of zeros has
+:math:`N_b = 0` and stores code 0 (the value 0) without dividing by zero. NaN stays NaN (for the
+whole block; ``optax.apply_if_finite`` is the tool for skipping such steps).
+
+**Layout.** :func:`quantize` flattens an array in row-major (C) order, pads it with zeros to a
+multiple of :math:`B` and reshapes to ``(n_blocks, B)``; the codes keep that 2-D shape and the
+scales have shape ``(n_blocks,)``. Padding never changes the result: zeros do not raise a
+block's absmax, and :func:`dequantize` drops the padded tail. Block ``b`` holds the flat
+elements ``[b B, (b+1) B)``, so a shard along the leading axis of a parameter of shape
+``(d_0, ...)`` split over :math:`S` devices is a whole number of blocks exactly when
+:math:`(\mathrm{size}/S) \bmod B = 0`, e.g. whenever the product of the trailing dimensions is
+a multiple of :math:`B` and :math:`S` divides :math:`d_0`. Then the codes' and scales'
+leading axis shards the same way and quantization needs no communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: Default block size (bitsandbytes' optimizers use 256 for 8-bit block-wise state; the
+#: paper's experiments use 2048).
+DEFAULT_BLOCK_SIZE = 256
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def dynamic_map(signed: bool = True) -> np.ndarray:
+    """The 256-value dynamic (tree) quantization map, sorted ascending, float32.
+
+    Built from the description in Dettmers (2016, 2022); see the module docstring.
+
+    Args:
+      signed: ``True`` for the signed map (values in ``[-0.993, 1]``), ``False`` for the
+        unsigned map (values in ``[0, 1]``).
+    """
+    return _dynamic_map(bool(signed)).copy()
+
+
+@functools.lru_cache(maxsize=2)
+def _dynamic_map(signed: bool) -> np.ndarray:
+    values = [0.0, 1.0]
+    for exponent in range(7):  # E leading zero bits: the decade [10^-(E+1), 10^-E]
+        fraction_bits = 6 - exponent + (0 if signed else 1)
+        edges = np.linspace(0.1, 1.0, 2**fraction_bits + 1)
+        mids = (edges[:-1] + edges[1:]) / 2 * 10.0**-exponent
+        values.extend(mids)
+        if signed:
+            values.extend(-mids)
+    out = np.sort(np.asarray(values, np.float64)).astype(np.float32)
+    assert out.shape == (256,) and len(np.unique(out)) == 256
+    return out
+
+
+def max_roundtrip_error(qmap: np.ndarray) -> np.ndarray:
+    """Per code, the largest ``|x - Q[c]|`` (for ``absmax = 1``) of inputs that get code ``c``.
+
+    Half the gap to each neighbour; at the ends, the distance to the end of ``[-1, 1]``
+    (or ``[0, 1]`` for a non-negative map) that still rounds to it.
+    """
+    q = np.asarray(qmap, np.float64)
+    lo_end = -1.0 if q[0] < 0 else 0.0
+    left = np.concatenate([[q[0] - lo_end], np.diff(q) / 2])
+    right = np.concatenate([np.diff(q) / 2, [1.0 - q[-1]]])
+    return np.maximum(left, right)
+
+
+class _Tables(NamedTuple):
+    qmap: np.ndarray  # (256,) float32
+    shift: int  # the table index is (float32 bits of |x|) >> shift
+    code_pair: np.ndarray  # (2, n) int32: code below | code above << 8, for x >= 0 and x < 0
+    threshold: np.ndarray  # (2, n) float32: |x| > threshold selects the code above
+
+
+@functools.lru_cache(maxsize=8)
+def _tables(signed: bool) -> _Tables:
+    """Lookup tables that give the nearest code of ``x`` in ``[-1, 1]`` with two gathers.
+
+    The table index is the top bits of ``|x|`` as a float32 (exponent and ``k`` leading
+    mantissa bits). ``k`` is the smallest number of bits for which every index interval
+    contains at most one decision point (midpoint between neighbouring map values of one sign);
+    the entry then stores the codes below and above it and the midpoint itself.
+    """
+    qmap = _dynamic_map(signed)
+    one_bits = int(np.float32(1.0).view(np.uint32))
+    for mantissa_bits in range(4, 13):
+        shift = 23 - mantissa_bits
+        n = (one_bits >> shift) + 1
+        lo = (np.arange(n, dtype=np.uint64) << shift).astype(np.uint32).view(np.float32)
+        hi_bits = (np.arange(1, n + 1, dtype=np.uint64) << shift).astype(np.uint32)
+        hi = hi_bits.view(np.float32).astype(np.float64)
+        lo = lo.astype(np.float64)
+        code_pair = np.zeros((2, n), np.int32)
+        threshold = np.full((2, n), np.inf, np.float32)
+        ok = True
+        for side, sign in enumerate((1.0, -1.0)):
+            # Candidates of this sign (and zero), by increasing magnitude.
+            idx = np.nonzero(sign * qmap.astype(np.float64) >= 0)[0]
+            mags = np.abs(qmap[idx].astype(np.float64))
+            order = np.argsort(mags, kind="stable")
+            idx, mags = idx[order], mags[order]
+            mids = (mags[1:] + mags[:-1]) / 2  # |x| > mids[r-1] <=> rank >= r (ties: smaller)
+            if len(mids) == 0:  # only zero has this sign (negative x, unsigned map)
+                code_pair[side] = idx[0] | (idx[0] << 8)
+                continue
+            rank_lo = np.searchsorted(mids, lo, side="left")  # rank at |x| = lo
+            rank_hi = np.searchsorted(mids, hi, side="left")  # rank just below hi
+            if np.any(rank_hi - rank_lo > 1):
+                ok = False
+                break
+            has = rank_hi > rank_lo
+            below = idx[rank_lo]
+            above = idx[np.minimum(rank_lo + 1, len(idx) - 1)]
+            code_pair[side] = below | (np.where(has, above, below) << 8)
+            mid = mids[np.minimum(rank_lo, len(mids) - 1)]
+            # Round the decision point down to float32, so that for a float32 |x|,
+            # |x| > threshold exactly when |x| > mid.
+            thr = mid.astype(np.float32)
+            thr = np.where(thr > mid, np.nextafter(thr, np.float32(-np.inf)), thr)
+            threshold[side] = np.where(has, thr, np.inf)
+        if ok:
+            return _Tables(qmap, shift, code_pair, threshold)
+    raise AssertionError("no table size separates the map's decision points")  # pragma: no cover
+
+
+def quantize_normalized(x: jax.Array, *, signed: bool) -> jax.Array:
+    """Codes (uint8) of values already scaled into ``[-1, 1]`` (clipped if outside)."""
+    t = _tables(signed)
+    x = jnp.clip(x.astype(jnp.float32), -1.0 if signed else 0.0, 1.0)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    negative = (bits >> 31).astype(jnp.int32)
+    mag_bits = bits & jnp.uint32(0x7FFFFFFF)
+    n = t.code_pair.shape[1]
+    index = jnp.minimum((mag_bits >> t.shift).astype(jnp.int32), n - 1) + negative * n
+    # Each table is gathered once, so that XLA fuses the whole lookup into one loop.
+    below = jnp.asarray((t.code_pair.reshape(-1) & 0xFF).astype(np.int32))[index]
+    threshold = jnp.asarray(t.threshold.reshape(-1))[index]
+    above = jax.lax.bitcast_convert_type(mag_bits, jnp.float32) > threshold
+    # Above the decision point the code moves one step away from zero.
+    return (below + jnp.where(above, 1 - 2 * negative, 0)).astype(jnp.uint8)
+
+
+def dequantize_normalized(codes: jax.Array, *, signed: bool) -> jax.Array:
+    """Map values (float32) of ``codes``."""
+    return jnp.asarray(_dynamic_map(signed))[codes.astype(jnp.int32)]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["codes", "absmax"], meta_fields=["signed"]
+)
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """A block-wise quantized array, a pytree with two array leaves.
+
+    Attributes:
+      codes: ``(n_blocks, B)`` uint8, indices into :func:`dynamic_map` ``(signed)``.
+      absmax: ``(n_blocks,)`` float32, the scale :math:`N_b` of each block.
+      signed: which map the codes index (static pytree metadata, not a leaf).
+
+    The original shape is not stored: :func:`dequantize` takes it (or an array of that shape).
+    """
+
+    codes: jax.Array
+    absmax: jax.Array
+    signed: bool = True
+
+    @property
+    def block_size(self) -> int:
+        return self.codes.shape[-1]
+
+
+def num_blocks(size: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Number of blocks of ``block_size`` elements that hold ``size`` elements."""
+    return -(-int(size) // int(block_size))
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int | np.integer) or block_size < 1:
+        raise ValueError(f"`block_size` must be a positive int, got {block_size!r}.")
+
+
+def _scales(absmax: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(absmax, factor, scale)``: the stored absmax (saturated at float32.max) and the
+    per-block ``x * factor / scale`` that maps a block into ``[-1, 1]``.
+
+    XLA turns ``x / scale`` into ``x * (1 / scale)`` and on CPU flushes denormals to zero, so
+    blocks whose absmax is near the float32 limits are first rescaled by an exact power of two.
+    A block of zeros gets scale 1 (no division by zero)."""
+    absmax = jnp.minimum(absmax, _F32_MAX)
+    factor = jnp.where(absmax > 2.0**100, 2.0**-64, jnp.where(absmax < 2.0**-100, 2.0**64, 1.0))
+    scale = jnp.where(absmax > 0, absmax * factor, 1.0)
+    return absmax, factor, scale
+
+
+def quantize_blocks(blocks: jax.Array, *, signed: bool) -> QuantizedArray:
+    """Quantize an array of blocks ``(..., n_blocks, B)``, one absmax per block."""
+    x = blocks.astype(jnp.float32)
+    # Saturate ±inf to ±float32.max: a clipped absmax, and x / absmax clipped to [-1, 1] in
+    # quantize_normalized (NaN stays NaN).
+    absmax, factor, scale = _scales(jnp.max(jnp.abs(x), axis=-1))
+    codes = quantize_normalized((x * factor[..., None]) / scale[..., None], signed=signed)
+    return QuantizedArray(codes, absmax, signed)
+
+
+def dequantize_blocks(q: QuantizedArray) -> jax.Array:
+    """Float32 blocks ``(..., n_blocks, B)`` of a :class:`QuantizedArray`."""
+    return dequantize_normalized(q.codes, signed=q.signed) * q.absmax[..., None]
+
+
+def _per_element(per_block: jax.Array, block_size: int, size: int) -> jax.Array:
+    """A per-block value repeated for each of the first ``size`` elements (a broadcast)."""
+    n = per_block.shape[0]
+    return jnp.broadcast_to(per_block[:, None], (n, block_size)).reshape(-1)[:size]
+
+
+def quantize(x: jax.Array, *, signed: bool, block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizedArray:
+    """Block-wise quantize ``x`` (any shape): flatten (row-major), zero-pad, cut into blocks."""
+    _check_block_size(block_size)
+    flat = jnp.ravel(x)
+    size = flat.size
+    full, rest = divmod(size, block_size)
+    if not rest:
+        return quantize_blocks(flat.reshape(full, block_size), signed=signed)
+    # A size that is not a multiple of B. Padding the float array would make XLA keep padded
+    # float copies of it; instead the scales come from the full blocks and the (padded) last
+    # block, the codes are computed in the array's own layout, and only the uint8 codes are
+    # padded. Same result as padding first (tested).
+    flat = jax.lax.optimization_barrier(flat.astype(jnp.float32))
+    tail = jnp.pad(flat[full * block_size :], (0, block_size - rest))
+    parts = [tail.reshape(1, block_size)]
+    if full:
+        parts.insert(0, flat[: full * block_size].reshape(full, block_size))
+    absmax = jnp.concatenate([jnp.max(jnp.abs(p), axis=-1) for p in parts])
+    absmax, factor, scale = _scales(absmax)
+    normalized = (flat * _per_element(factor, block_size, size)) / _per_element(
+        scale, block_size, size
+    )
+    codes = quantize_normalized(normalized, signed=signed)
+    zero_code = int(np.searchsorted(_dynamic_map(signed), 0.0))  # padding quantizes to 0
+    codes = jnp.pad(codes, (0, block_size - rest), constant_values=zero_code)
+    codes = codes.reshape(full + 1, block_size)
+    return QuantizedArray(codes, absmax, signed)
+
+
+def dequantize(q: QuantizedArray, shape: tuple[int, ...] | jax.Array) -> jax.Array:
+    """Float32 array of ``shape`` (a tuple, or an array whose shape is used) from ``q``."""
+    if not isinstance(shape, tuple | list):
+        shape = jnp.shape(shape)
+    size = int(np.prod(shape, dtype=np.int64))
+    block_size = q.codes.shape[-1]
+    if size == q.codes.size:
+        return dequantize_blocks(q).reshape(shape)
+    # Drop the padding from the uint8 codes before the lookup (see quantize).
+    codes = q.codes.reshape(-1)[:size]
+    absmax = _per_element(q.absmax, block_size, size)
+    values = dequantize_normalized(codes, signed=q.signed) * absmax
+    return values.reshape(shape)

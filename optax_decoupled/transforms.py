@@ -57,6 +57,24 @@ def _map_unzip(fn, tree: Any, *rest: Any) -> list[Any]:
     return [treedef.unflatten([p[i] for p in parts]) for i in range(n)]
 
 
+def _check_shapes(updates: Any, reference: Any, name: str, what: str) -> None:
+    """Raises ``ValueError`` naming the first leaf whose update shape differs from the
+    reference's (JAX would otherwise broadcast e.g. a (3,) gradient against a (2, 3) moment).
+    Quantized moments (pytrees) are not compared here: they are checked on decode."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    try:
+        refs = treedef.flatten_up_to(reference)
+    except (ValueError, TypeError):
+        return  # structure mismatches get JAX's own error naming the key path
+    for (path, u), r in zip(leaves, refs, strict=True):
+        if hasattr(r, "shape") and not isinstance(r, tuple) and jnp.shape(u) != jnp.shape(r):
+            raise ValueError(
+                f"{name}: the update at {jax.tree_util.keystr(path)} has shape {jnp.shape(u)} "
+                f"but the {what} has shape {jnp.shape(r)}; gradients must have their "
+                "parameters' shapes."
+            )
+
+
 def _require_params(params: Any, name: str) -> None:
     if params is None:
         raise ValueError(
@@ -113,10 +131,14 @@ def add_l2_gradient(
 
     def update_fn(updates, state, params=None):
         _require_params(params, "add_l2_gradient")
+        _check_shapes(updates, params, "add_l2_gradient", "parameter")
         wd = _at(weight_decay, state.count)
         decays = masks_lib.resolve_mask(mask, params)
         updates = jax.tree.map(
-            lambda g, p, m: (g + wd * p).astype(g.dtype) if m else g, updates, params, decays
+            lambda g, p, m: (g + wd * p).astype(jnp.result_type(g)) if m else g,
+            updates,
+            params,
+            decays,
         )
         return updates, AddL2GradientState(count=optax.safe_increment(state.count))
 
@@ -144,14 +166,19 @@ def decay_rate(
 
     ``"lr"``: :math:`\lambda\eta_t`; ``"schedule"``: :math:`\lambda\eta_t/\eta_{peak}`;
     ``"constant"``: :math:`\lambda`; ``"corrected"``: :math:`\lambda\eta_t^2/\eta_{peak}`.
+    ``peak_learning_rate=None`` means a constant learning rate, its own peak
+    (:math:`\eta_t/\eta_{peak} = 1` exactly, also for :math:`\eta = 0`).
     """
+    ratio = 1.0 if peak_learning_rate is None else None
     if convention == "lr":
         return weight_decay * learning_rate
     if convention == "schedule":
-        return weight_decay * (learning_rate / peak_learning_rate)
+        return weight_decay * (ratio if ratio is not None else learning_rate / peak_learning_rate)
     if convention == "constant":
         return weight_decay
     if convention == "corrected":
+        if ratio is not None:
+            return weight_decay * learning_rate
         return weight_decay * (learning_rate * learning_rate / peak_learning_rate)
     raise ValueError(f"`convention` must be one of {DECAY_CONVENTIONS!r}, got {convention!r}.")
 
@@ -166,7 +193,7 @@ def _resolve_peak(convention: str, learning_rate: Any, peak_learning_rate: Any) 
         return peak_learning_rate
     constant = V.concrete_number(learning_rate)
     if constant is not None and not isinstance(learning_rate, bool):
-        return learning_rate  # a constant learning rate is its own peak
+        return None  # a constant learning rate is its own peak: decay_rate uses ratio 1
     raise ValueError(
         f"convention={convention!r} divides by the peak learning rate η_peak, which cannot be "
         "read off a schedule or an injected/traced learning rate: pass `peak_learning_rate` "
@@ -238,11 +265,15 @@ def decoupled_weight_decay(
 
     def update_fn(updates, state, params=None):
         _require_params(params, "decoupled_weight_decay")
+        _check_shapes(updates, params, "decoupled_weight_decay", "parameter")
         lr_t = None if convention == "constant" else _at(learning_rate, state.count)
         s = decay_rate(_at(weight_decay, state.count), convention, lr_t, peak)
         decays = masks_lib.resolve_mask(mask, params)
         updates = jax.tree.map(
-            lambda u, p, m: (u - s * p).astype(u.dtype) if m else u, updates, params, decays
+            lambda u, p, m: (u - s * p).astype(jnp.result_type(u)) if m else u,
+            updates,
+            params,
+            decays,
         )
         return updates, DecoupledWeightDecayState(count=optax.safe_increment(state.count))
 
@@ -346,7 +377,10 @@ def scale_by_adam(
         bc1 = 1 - b1**count
         bc2 = 1 - b2**count
 
+        _check_shapes(updates, state.mu, "scale_by_adam", "first moment")
+
         def leaf(g, mu_s, nu_s, nu_max_s=None):
+            g = jnp.asarray(g)
             mu = store.read(mu_s, g)
             nu = store.read(nu_s, g)
             gc = g.astype(mu.dtype)
@@ -425,7 +459,10 @@ def scale_by_lion(
     def update_fn(updates, state, params=None):
         del params
 
+        _check_shapes(updates, state.mu, "scale_by_lion", "momentum")
+
         def leaf(g, mu_s):
+            g = jnp.asarray(g)
             mu = store.read(mu_s, g)
             gc = g.astype(mu.dtype)
             u = jnp.sign((1 - b1) * gc + b1 * mu).astype(g.dtype)

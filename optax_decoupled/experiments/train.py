@@ -248,6 +248,16 @@ class TrainConfig:
       checkpoint_every: save a checkpoint every this many steps (needs ``checkpoint_dir``).
       max_to_keep: checkpoints kept.
       progress: show a tqdm progress bar.
+      skip_nonfinite: wrap the optimizer in ``optax.apply_if_finite``: a step whose gradients
+        contain a NaN or an Inf leaves the parameters and the whole optimizer state (moments,
+        step counts, hence the schedules) unchanged and is counted; training continues with
+        the next batch. The counts are reported as :attr:`RunResult.skipped_steps`, in the
+        ``"final"`` and ``"eval"`` JSON lines, and the skipped steps are those whose
+        ``grad_norm`` is not finite.
+      max_consecutive_nonfinite: ``apply_if_finite``'s ``max_consecutive_errors``: after more
+        than this many non-finite steps *in a row* the update is applied anyway (and the
+        non-finite values reach the parameters), so a run that has truly diverged does not
+        silently stand still.
     """
 
     steps: int = 600
@@ -259,12 +269,19 @@ class TrainConfig:
     checkpoint_every: int | None = None
     max_to_keep: int = 2
     progress: bool = True
+    skip_nonfinite: bool = False
+    max_consecutive_nonfinite: int = 10
 
     def __post_init__(self):
         if self.steps < 1 or self.eval_every < 1 or self.eval_batch_size < 1:
             raise ValueError("steps, eval_every and eval_batch_size must be positive.")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be positive or None.")
+        if (
+            not isinstance(self.max_consecutive_nonfinite, int)
+            or self.max_consecutive_nonfinite < 0
+        ):
+            raise ValueError("max_consecutive_nonfinite must be an int >= 0.")
 
 
 @dataclasses.dataclass
@@ -280,6 +297,8 @@ class RunResult:
       final: final metrics of ``final_splits`` (``"test_accuracy"`` etc.).
       wall_time_s: wall time of the whole grid (configurations train together).
       params: final parameters (NumPy), or ``None`` when not kept.
+      skipped_steps: steps skipped for non-finite gradients (``TrainConfig.skip_nonfinite``),
+        ``None`` when skipping is off.
     """
 
     index: int
@@ -292,6 +311,7 @@ class RunResult:
     final: dict[str, float]
     wall_time_s: float
     params: PyTree = None
+    skipped_steps: int | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready summary (no parameters)."""
@@ -305,6 +325,7 @@ class RunResult:
             "train_loss": [float(v) for v in self.train_loss],
             "train_accuracy": [float(v) for v in self.train_accuracy],
             "wall_time_s": self.wall_time_s,
+            "skipped_steps": self.skipped_steps,
         }
 
 
@@ -481,6 +502,20 @@ def _constant_make_tx(tx: optax.GradientTransformation) -> MakeTx:
     return lambda: tx
 
 
+@functools.lru_cache(maxsize=32)
+def _skip_nonfinite_make_tx(make_tx: MakeTx, max_consecutive_errors: int) -> MakeTx:
+    # Cached like _constant_make_tx, so the wrapped factory keys the program cache stably.
+    def wrapped(**hparams: Any) -> optax.GradientTransformation:
+        return optax.apply_if_finite(make_tx(**hparams), max_consecutive_errors)
+
+    return wrapped
+
+
+def _skipped_steps(opt_state: PyTree) -> np.ndarray:
+    """``(K,)`` total skipped steps of an ``apply_if_finite`` state with a leading K axis."""
+    return np.asarray(opt_state.total_notfinite, np.int64)
+
+
 def _as_make_tx(tx: MakeTx | optax.GradientTransformation) -> MakeTx:
     if isinstance(tx, optax.GradientTransformation):
         return _constant_make_tx(tx)
@@ -641,6 +676,8 @@ def train_grid(
     k = seeds_arr.shape[0]
     steps = config.steps
     make_tx = _as_make_tx(make_tx)
+    if config.skip_nonfinite:
+        make_tx = _skip_nonfinite_make_tx(make_tx, config.max_consecutive_nonfinite)
     graphdef = model_graphdef(model_config)
     opt_init, step_fn = _programs(graphdef, task, make_tx)
     hp_dev = {n: jnp.asarray(v, jnp.float32) for n, v in hp.items()}
@@ -705,6 +742,8 @@ def train_grid(
         if param_metrics is not None:
             metrics = _param_metrics_program(param_metrics)(state.params)
             out.update({n: np.asarray(v) for n, v in metrics.items()})
+        if config.skip_nonfinite:
+            out["skipped_steps"] = _skipped_steps(state.opt_state)
         return out
 
     pending: list[tuple[int, dict]] = []
@@ -742,6 +781,8 @@ def train_grid(
             records = []
             for i in range(k):
                 rec = {"step": done, **{n: float(v[i]) for n, v in results.items()}}
+                if "skipped_steps" in results:  # a count, not a measurement
+                    rec["skipped_steps"] = int(results["skipped_steps"][i])
                 evals[i].append(rec)
                 records.append(
                     {
@@ -778,6 +819,8 @@ def train_grid(
     tokens_per_s = k * task.batch_size * task.seq_len / step_time if n_steady > 0 else float("nan")
 
     final = run_eval(config.final_splits) if end == steps else {}
+    final.pop("skipped_steps", None)  # reported as RunResult.skipped_steps
+    skipped = _skipped_steps(state.opt_state) if config.skip_nonfinite else None
     wall = time.perf_counter() - t_start
     host_params = _host(state.params) if keep_params else None
     runs = []
@@ -793,6 +836,7 @@ def train_grid(
             final={n: float(v[i]) for n, v in final.items()},
             wall_time_s=wall,
             params=jax.tree.map(lambda v, i=i: v[i], host_params) if keep_params else None,
+            skipped_steps=None if skipped is None else int(skipped[i]),
         )
         runs.append(run)
     if metrics_path is not None and end == steps:

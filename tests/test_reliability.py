@@ -1,0 +1,527 @@
+"""Reliability (issue 8): non-finite gradients lose nothing, DP + FSDP training matches one
+device, numerics over 10^7 steps, and the trainer's bad inputs and checkpoints.
+
+* ``optax.apply_if_finite`` around every alias, for ``state_dtype`` None, ``"bfloat16"`` and
+  ``"int8"`` (8-bit block-wise moments): a step with a NaN or an Inf in the gradients leaves the
+  parameters and every leaf of the optimizer state bit-identical and is counted; the run then
+  continues exactly as if the step had not been there.
+* The trainer's ``TrainConfig(skip_nonfinite=True)``: NaN and Inf injected at chosen steps into
+  an SSM run on the digits data end with parameters bit-identical to a run in which those steps
+  are absent (see ``test_injected_nonfinite_steps_are_absent_steps`` for what that holds fixed).
+* A data-parallel + FSDP SSM step on a 2x4 mesh gives the one-device loss trajectory (in a
+  subprocess with 8 simulated CPU devices).
+* 10^7 float32 steps of Reddi et al.'s Theorem-1 problem: no NaN/Inf, and once beta^t underflows
+  the bias corrections are exactly 1.
+* Checkpoints: a failed or corrupt save leaves the previous checkpoint intact and usable.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from test_fuzz import Case, doc_rows, table_rows, trigger
+
+import optax_decoupled as od
+from optax_decoupled.experiments import reddi, ssm, tasks
+from optax_decoupled.experiments import train as train_lib
+
+PROGRAMS = pathlib.Path(__file__).parent / "programs"
+
+# ---------------------------------------------------------------------------------------------
+# The recipe: optax.apply_if_finite around every alias.
+# ---------------------------------------------------------------------------------------------
+
+SCHED = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 20)
+ALIASES = {
+    "adamw_schedule": lambda sd: od.adamw(
+        SCHED, weight_decay=0.1, decay_convention="schedule", peak_learning_rate=1e-2,
+        state_dtype=sd,
+    ),
+    "adam_l2": lambda sd: od.adam_l2(SCHED, weight_decay=1e-3, state_dtype=sd),
+    "amsgrad_pytorch": lambda sd: od.amsgrad(SCHED, weight_decay=0.1, state_dtype=sd),
+    "amsgrad_optax_coupled": lambda sd: od.amsgrad(
+        SCHED, variant="optax", coupled=True, weight_decay=1e-3, state_dtype=sd
+    ),
+    "amsgrad_paper": lambda sd: od.amsgrad(1e-2, variant="paper", state_dtype=sd),
+    "lion": lambda sd: od.lion(SCHED, weight_decay=0.3, state_dtype=sd),
+}  # fmt: skip
+# "int8" quantizes leaves of >= 4096 elements (the 64x64 kernel); the others stay float32.
+STATE_DTYPES = {"param": None, "bfloat16": "bfloat16", "int8": "int8"}
+BAD_STEPS = {1: np.nan, 3: np.inf, 4: -np.inf}  # 3 and 4 are consecutive
+MAX_ERRORS = 3
+
+
+def _params():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "dense": {"kernel": jax.random.normal(k1, (64, 64)), "bias": jnp.full((64,), 0.5)},
+        "A_log": jax.random.normal(k2, (4,)),
+        "scale": jnp.asarray(2.0),
+    }
+
+
+def _grads(t, params):
+    """A deterministic gradient that depends on the parameters (a noisy quadratic)."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(1), t), len(leaves))
+    noise = [jax.random.normal(k, jnp.shape(x)) for k, x in zip(keys, leaves, strict=True)]
+    return treedef.unflatten([x + 0.5 * n for x, n in zip(leaves, noise, strict=True)])
+
+
+def _poison(grads, value, t):
+    """Put ``value`` into one element of every leaf (the step-3 case: into all of them)."""
+    if t == 3:
+        return jax.tree.map(lambda g: jnp.full_like(g, value), grads)
+    return jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(value), grads)
+
+
+# tests/test_composition.py covers apply_if_finite with the parameters' own dtype for adamw
+# (both conventions), adam_l2, amsgrad ("pytorch") and lion; here every alias gets bfloat16 and
+# 8-bit moments, and the AMSGrad conventions not covered there the parameters' dtype too.
+RECIPE_CASES = [
+    (alias, sd)
+    for alias in ALIASES
+    for sd in STATE_DTYPES
+    if sd != "param" or alias in ("amsgrad_optax_coupled", "amsgrad_paper")
+]
+
+
+@pytest.mark.parametrize(("alias", "state_dtype"), RECIPE_CASES)
+def test_nonfinite_step_changes_nothing_and_is_counted(alias, state_dtype):
+    sd = STATE_DTYPES[state_dtype]
+    tx = optax.apply_if_finite(ALIASES[alias](sd), max_consecutive_errors=MAX_ERRORS)
+    update = jax.jit(tx.update)
+    params0 = _params()
+    state0 = tx.init(params0)
+    if state_dtype == "int8":  # the 8-bit moments really are quantized
+        leaves = jax.tree.leaves(state0)
+        assert any(x.dtype == jnp.uint8 for x in leaves), alias
+
+    # Guarded run with bad steps, and the same program fed only the clean steps.
+    p, s = params0, state0
+    clean_p, clean_s = params0, state0
+    clean_t = 0
+    expected_total = expected_streak = 0
+    for t in range(7):
+        if t in BAD_STEPS:
+            before = (p, s.inner_state)
+            g = _poison(_grads(clean_t, p), BAD_STEPS[t], t)
+            u, s = update(g, s, p)
+            p = optax.apply_updates(p, u)
+            expected_total += 1
+            expected_streak += 1
+            chex.assert_trees_all_equal((p, s.inner_state), before)  # bit-identical
+            assert int(s.notfinite_count) == expected_streak
+            assert int(s.total_notfinite) == expected_total
+            assert not bool(s.last_finite)
+            continue
+        u, s = update(_grads(clean_t, p), s, p)
+        p = optax.apply_updates(p, u)
+        expected_streak = 0
+        assert int(s.notfinite_count) == 0 and bool(s.last_finite)
+        u, clean_s = update(_grads(clean_t, clean_p), clean_s, clean_p)
+        clean_p = optax.apply_updates(clean_p, u)
+        clean_t += 1
+    assert int(s.total_notfinite) == len(BAD_STEPS)
+    chex.assert_tree_all_finite(p)
+    # Training continued exactly as if the bad steps had not been there.
+    chex.assert_trees_all_equal(p, clean_p)
+    chex.assert_trees_all_equal(s.inner_state, clean_s.inner_state)
+    chex.assert_trees_all_equal_dtypes(s, state0)
+
+
+def test_docs_recipe_runs():
+    """The recipe's code block in docs/bad_input.md runs and its assertions hold."""
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "bad_input.md").read_text("utf-8")
+    blocks = re.findall(r"^```python[ \t]*\n(.*?)^```[ \t]*$", text, re.DOTALL | re.MULTILINE)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "docs/bad_input.md", "exec"), {})
+
+
+def test_too_many_consecutive_nonfinite_steps_are_applied():
+    """apply_if_finite gives up after max_consecutive_errors bad steps in a row: the next bad
+    update reaches the parameters (a diverged run does not silently stand still)."""
+    tx = optax.apply_if_finite(od.adamw(1e-3, mask=None), max_consecutive_errors=1)
+    params = {"w": jnp.ones((2, 2))}
+    state = tx.init(params)
+    bad = {"w": jnp.full((2, 2), jnp.nan)}
+    u, state = tx.update(bad, state, params)
+    assert bool(jnp.all(u["w"] == 0))
+    u, state = tx.update(bad, state, params)  # the second in a row: applied
+    assert bool(jnp.all(jnp.isnan(u["w"]))) and int(state.total_notfinite) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's option, with NaN/Inf injected into a real SSM run.
+# ---------------------------------------------------------------------------------------------
+
+STEPS = 10
+INJECT = {3: np.nan, 6: np.inf}  # trainer steps whose inputs are multiplied by NaN / Inf
+KEPT = [s for s in range(STEPS) if s not in INJECT]
+HP = {"learning_rate": [3e-3, 1e-2], "weight_decay": [0.1, 0.0]}
+SEEDS = [0, 1]
+
+
+def _remapped(base: tasks.Task, index, scale, name: str) -> tasks.Task:
+    """``base`` whose trainer step ``s`` gets batch ``index[s]`` with inputs times ``scale[s]``.
+
+    The same code for both runs (only the two constant tables differ), so both compile to the
+    same computation; multiplying by 1.0 is exact.
+    """
+    index = jnp.asarray(index, jnp.int32)
+    scale = jnp.asarray(scale, jnp.float32)
+
+    def train_batch(key, step):
+        batch = base.train_batch(key, index[step])
+        return {**batch, "inputs": batch["inputs"] * scale[step]}
+
+    return dataclasses.replace(base, name=name, train_batch=train_batch)
+
+
+@pytest.fixture(scope="module")
+def nonfinite_setup():
+    base = tasks.sequential_digits(batch_size=16)
+    config = ssm.SSMConfig(
+        d_model=16, n_layers=1, d_state=8, headdim=8, chunk_size=16, **base.model_kwargs()
+    )
+    scale = np.ones(STEPS, np.float32)
+    for s, v in INJECT.items():
+        scale[s] = v
+    injected = _remapped(base, np.arange(STEPS), scale, "digits+nonfinite")
+    absent = _remapped(base, KEPT, np.ones(len(KEPT)), "digits-without-those-steps")
+    # One make_tx: the schedule's length is the number of *applied* updates in both runs.
+    make_tx = train_lib.scheduled(od.adamw, total_steps=len(KEPT), warmup_steps=2, clip_norm=1.0)
+    loop = train_lib.TrainConfig(
+        steps=STEPS, eval_every=5, eval_splits=(), final_splits=(), progress=False,
+        skip_nonfinite=True,
+    )  # fmt: skip
+    return config, injected, absent, make_tx, loop
+
+
+@pytest.fixture(scope="module")
+def absent_run(nonfinite_setup):
+    config, _, absent, make_tx, loop = nonfinite_setup
+    loop = dataclasses.replace(loop, steps=len(KEPT))
+    return train_lib.train_grid(absent, config, make_tx, HP, SEEDS, loop)
+
+
+def test_injected_nonfinite_steps_are_absent_steps(nonfinite_setup, absent_run, tmp_path):
+    """NaN/Inf inputs at trainer steps 3 and 6 of 10 (so NaN/Inf gradients) with
+    ``skip_nonfinite=True`` end bit-identical to an 8-step run without those two steps.
+
+    What the comparison holds fixed: (1) the data -- the sequential-digits sampler is a pure
+    function of (data key, step), and the 8-step run's step ``j`` draws the batch of the
+    injected run's ``j``-th clean step; (2) the optimizer's own step count, hence the warmup +
+    cosine schedule and Adam's bias corrections -- ``apply_if_finite`` does not advance the
+    inner state on a skipped step, so at the ``j``-th clean step both runs' inner count is
+    ``j``; the schedule is built for the 8 applied updates in both runs; (3) the model init
+    (same seeds). The trainer's own step counter differs (10 vs 8); it only selects data.
+    """
+    config, injected, _, make_tx, loop = nonfinite_setup
+    metrics = tmp_path / "metrics.jsonl"
+    result = train_lib.train_grid(injected, config, make_tx, HP, SEEDS, loop, metrics_path=metrics)
+    for run, ref in zip(result.runs, absent_run.runs, strict=True):
+        assert run.skipped_steps == len(INJECT) and ref.skipped_steps == 0
+        bad = sorted(INJECT)
+        assert not np.any(np.isfinite(run.grad_norm[bad]))  # the gradients were non-finite
+        assert np.all(np.isfinite(run.grad_norm[KEPT])) and np.all(
+            np.isfinite(run.train_loss[KEPT])
+        )
+        np.testing.assert_array_equal(run.train_loss[KEPT], ref.train_loss)
+        np.testing.assert_array_equal(run.grad_norm[KEPT], ref.grad_norm)
+        jax.tree.map(np.testing.assert_array_equal, run.params, ref.params)
+        assert [e["skipped_steps"] for e in run.evals] == [1, 2]
+    records = train_lib.read_jsonl(metrics)
+    assert [r["skipped_steps"] for r in records if r["event"] == "final"] == [2, 2]
+    assert [r["skipped_steps"] for r in records if r["event"] == "eval"] == [1, 1, 2, 2]
+
+
+def test_resume_after_corrupt_latest_checkpoint(nonfinite_setup, absent_run, tmp_path):
+    """A corrupt latest checkpoint is refused, the previous one is intact, and resuming from
+    it (once the corrupt one is removed) ends bit-identical to the uninterrupted run."""
+    config, _, absent, make_tx, loop = nonfinite_setup
+    loop = dataclasses.replace(loop, steps=len(KEPT), checkpoint_every=2, max_to_keep=2)
+    ckpt = tmp_path / "ckpt"
+    run = functools.partial(
+        train_lib.train_grid, absent, config, make_tx, HP, SEEDS, loop, checkpoint_dir=ckpt
+    )
+    run(stop_at=6)
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [4, 6]
+    previous = _file_bytes(ckpt / "4")
+    _corrupt(ckpt / "6")
+    with pytest.raises(train_lib.CheckpointError, match="corrupt"):
+        run(resume=True)
+    assert _file_bytes(ckpt / "4") == previous  # the failed restore touched nothing
+    shutil.rmtree(ckpt / "6")
+    resumed = run(resume=True)
+    assert resumed.start_step == 4
+    for a, b in zip(resumed.runs, absent_run.runs, strict=True):
+        jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
+        np.testing.assert_array_equal(a.train_loss, b.train_loss)
+
+
+def _file_bytes(directory: pathlib.Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+def _corrupt(step_dir: pathlib.Path) -> None:
+    damaged = 0
+    for dirpath, _, files in os.walk(step_dir / "state"):
+        for name in files:
+            with open(os.path.join(dirpath, name), "wb") as f:
+                f.write(b"not a checkpoint")
+            damaged += 1
+    assert damaged > 0
+
+
+TREE = {"a": np.arange(3.0, dtype=np.float32), "b": {"c": np.ones((2, 2), np.int32)}}
+
+
+def test_failed_save_leaves_previous_checkpoint_intact(tmp_path):
+    """A save that fails part-way (here: a leaf orbax cannot write) leaves only a temporary
+    directory behind; the previous checkpoint is still the latest and restores bit-identically,
+    even with max_to_keep=1, and a later save succeeds."""
+    train_lib.save_checkpoint(tmp_path, 1, TREE, {"n": 1}, max_to_keep=1)
+    with pytest.raises(ValueError, match="Unsupported type"):
+        train_lib.save_checkpoint(tmp_path, 2, {"a": object()}, {"n": 2}, max_to_keep=1)
+    assert train_lib.latest_checkpoint_step(tmp_path) == 1
+    restored, meta, step = train_lib.restore_checkpoint(tmp_path, TREE)
+    assert step == 1 and meta == {"n": 1}
+    jax.tree.map(np.testing.assert_array_equal, restored, TREE)
+    train_lib.save_checkpoint(tmp_path, 2, TREE, {"n": 2}, max_to_keep=1)
+    assert train_lib.latest_checkpoint_step(tmp_path) == 2
+
+
+def test_corrupt_checkpoint_leaves_previous_intact(tmp_path):
+    train_lib.save_checkpoint(tmp_path, 1, TREE, {"n": 1}, max_to_keep=2)
+    later = jax.tree.map(lambda x: x + 1, TREE)
+    train_lib.save_checkpoint(tmp_path, 2, later, {"n": 2}, max_to_keep=2)
+    _corrupt(tmp_path / "2")
+    with pytest.raises(train_lib.CheckpointError, match="corrupt"):
+        train_lib.restore_checkpoint(tmp_path, TREE)
+    restored, meta, step = train_lib.restore_checkpoint(tmp_path, TREE, step=1)
+    assert step == 1 and meta == {"n": 1}
+    jax.tree.map(np.testing.assert_array_equal, restored, TREE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data parallel + FSDP on a 2x4 mesh.
+# ---------------------------------------------------------------------------------------------
+
+#: Measured: the largest relative loss difference over 5 steps is 1.2e-7 (adamw; 1.1e-7 for
+#: adam_l2, amsgrad and lion), parameters differ by at most 1.8e-7: float32 rounding of
+#: reductions split across devices. The tolerances leave a factor of about 50.
+DP_FSDP_LOSS_RTOL = 1e-5
+DP_FSDP_PARAM_ATOL = 1e-5
+
+
+def test_dp_fsdp_training_matches_one_device():
+    import json
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, str(PROGRAMS / "ssm_dp_fsdp.py"), "adamw", "5"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["problems"] == []
+    assert out["n_fsdp_sharded"] == out["n_params"] > 0
+    assert len(out["losses_8"]) == 5
+    np.testing.assert_allclose(out["losses_8"], out["losses_1"], rtol=DP_FSDP_LOSS_RTOL)
+    assert out["max_abs_param_diff"] <= DP_FSDP_PARAM_ATOL
+    assert out["losses_1"][-1] < out["losses_1"][0]  # it trains
+
+
+# ---------------------------------------------------------------------------------------------
+# 10^7 float32 steps.
+# ---------------------------------------------------------------------------------------------
+
+LONG = 10**7
+
+
+def test_reddi_theorem1_ten_million_float32_steps():
+    """Every optimizer of the Reddi experiment, Theorem-1 problem, 10^7 float32 steps: finite
+    throughout, iterates in [-1, 1], and the paper's outcome (Adam with beta1 = 0,
+    beta2 = 0.1 at +1, AMSGrad at the optimum -1)."""
+    runs = [
+        reddi.Run(opt, alpha=0.5, b1=b1, b2=b2)
+        for opt in reddi.OPTIMIZERS
+        for b1, b2 in ((0.0, 0.1), (0.9, 0.999))
+    ]
+    res = reddi.simulate(reddi.theorem1_problem(), runs, LONG)
+    assert res.record_t[-1] == LONG
+    for name in ("x", "avg_regret", "x_final", "avg_regret_final", "x_tail_mean"):
+        assert np.all(np.isfinite(getattr(res, name))), name
+    assert np.all(np.abs(res.x) <= 1.0)
+    final = {(r.optimizer, r.b1): x for r, x in zip(runs, res.x_final, strict=True)}
+    assert final[("adam", 0.0)] > 0.99
+    for variant in ("amsgrad_paper", "amsgrad_pytorch", "amsgrad_optax"):
+        assert final[(variant, 0.0)] < -0.999 and final[(variant, 0.9)] < -0.999
+
+
+def _theorem1_adam(amsgrad, steps):
+    """``steps`` updates of scale_by_adam(0.9, 0.999) on Theorem 1's gradients, in one loop;
+    also whether every update and moment stayed finite."""
+    tx = od.scale_by_adam(0.9, 0.999, 1e-8, amsgrad=amsgrad)
+
+    def body(i, carry):
+        state, ok = carry
+        g = jnp.where((i + 1) % 3 == 1, jnp.float32(3.0), jnp.float32(-1.0))
+        u, state = tx.update(g, state)
+        finite = [jnp.isfinite(x) for x in (u, *jax.tree.leaves(state)) if x.dtype != jnp.int32]
+        return state, ok & jnp.all(jnp.stack(finite))
+
+    return jax.lax.fori_loop(0, steps, body, (tx.init(jnp.zeros((), jnp.float32)), True))
+
+
+@pytest.mark.parametrize("amsgrad", [None, "pytorch", "optax", "paper"])
+def test_bias_corrections_are_exactly_one_after_beta_underflows(amsgrad):
+    """After 10^7 float32 steps (b2^t underflowed to 0 near t = 87 000, 1 - b2^t rounded to
+    exactly 1 from t = 17 321) the update is exactly the uncorrected mu / (sqrt(nu) + eps),
+    bit for bit; after 10 steps it is not (except for the paper's AMSGrad, never corrected)."""
+    tx = od.scale_by_adam(0.9, 0.999, 1e-8, amsgrad=amsgrad)
+    run = jax.jit(_theorem1_adam, static_argnums=(0, 1))
+    for steps, corrected in ((10, amsgrad != "paper"), (LONG, False)):
+        state, ok = run(amsgrad, steps)
+        assert bool(ok) and int(state.count) == steps
+        u, new = jax.jit(tx.update)(jnp.float32(-1.0), state)
+        nu = new.nu if amsgrad is None else new.nu_max
+        uncorrected = np.float32(new.mu) / (np.sqrt(np.float32(nu)) + np.float32(1e-8))
+        assert (np.float32(u) == uncorrected) != corrected, (steps, np.float32(u), uncorrected)
+        assert np.isfinite(np.float32(u))
+    # The corrections themselves, as the transform computes them (count an int32).
+    t = jnp.arange(1, 200_001, dtype=jnp.int32)
+    bc2 = 1 - 0.999**t
+    assert int(jnp.argmax(bc2 == 1.0)) + 1 == 17_321 and bool(jnp.all(bc2[17_320:] == 1.0))
+    count = jnp.int32(LONG)
+    assert float(0.999**count) == 0.0 and float(0.9**count) == 0.0
+    assert float(1 - 0.999**count) == 1.0 and float(1 - 0.9**count) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's bad inputs (the second table of docs/bad_input.md).
+# ---------------------------------------------------------------------------------------------
+
+
+_TMP = tempfile.mkdtemp(prefix="optax-decoupled-bad-input-")
+atexit.register(shutil.rmtree, _TMP, True)
+
+
+@functools.cache
+def _tiny():
+    task = tasks.induction_heads(seq_len=8, vocab_size=6, batch_size=4, num_eval=4)
+    config = ssm.SSMConfig(d_model=8, headdim=8, chunk_size=8, **task.model_kwargs())
+    return task, config
+
+
+def _saved(corrupt: bool = False) -> str:
+    directory = tempfile.mkdtemp(dir=_TMP)
+    train_lib.save_checkpoint(directory, 3, TREE, {"n": 3})
+    if corrupt:
+        _corrupt(pathlib.Path(directory) / "3")
+    return directory
+
+
+TRAINER_CASES: dict[str, Case] = {
+    "train-config": Case(
+        "`TrainConfig` with `steps`, `eval_every` or `eval_batch_size` < 1",
+        lambda: train_lib.TrainConfig(steps=0),
+    ),
+    "max-consecutive-nonfinite": Case(
+        "`TrainConfig(max_consecutive_nonfinite=...)` < 0",
+        lambda: train_lib.TrainConfig(skip_nonfinite=True, max_consecutive_nonfinite=-1),
+    ),
+    "model-config-mismatch": Case(
+        "a model config whose inputs/head do not fit the task",
+        lambda: train_lib.train_grid(
+            _tiny()[0], dataclasses.replace(_tiny()[1], vocab_size=5), optax.sgd(0.1)
+        ),
+    ),
+    "grid-sizes": Case(
+        "hyperparameter arrays and seeds of different lengths",
+        lambda: train_lib.train_grid(
+            *_tiny(), optax.sgd(0.1), {"learning_rate": [0.1, 0.2]}, seeds=[0, 1, 2]
+        ),
+    ),
+    "resume-without-dir": Case(
+        "`resume`, `stop_at` or `checkpoint_every` without a `checkpoint_dir`",
+        lambda: train_lib.train_grid(*_tiny(), optax.sgd(0.1), resume=True),
+    ),
+    "missing-checkpoint-dir": Case(
+        "resuming from a directory that does not exist",
+        lambda: train_lib.restore_checkpoint(tempfile.mkdtemp(dir=_TMP) + "/nowhere", TREE),
+        FileNotFoundError,
+    ),
+    "empty-checkpoint-dir": Case(
+        "resuming from a directory without checkpoints",
+        lambda: train_lib.restore_checkpoint(tempfile.mkdtemp(dir=_TMP), TREE),
+        FileNotFoundError,
+    ),
+    "missing-checkpoint-step": Case(
+        "restoring a step that was not saved",
+        lambda: train_lib.restore_checkpoint(_saved(), TREE, step=4),
+        FileNotFoundError,
+    ),
+    "corrupt-checkpoint": Case(
+        "a corrupt checkpoint (damaged files); the previous checkpoint stays intact",
+        lambda: train_lib.restore_checkpoint(_saved(corrupt=True), TREE),
+        train_lib.CheckpointError,
+    ),
+    "incompatible-checkpoint": Case(
+        "a checkpoint of another state structure",
+        lambda: train_lib.restore_checkpoint(_saved(), {"a": TREE["a"]}),
+        train_lib.CheckpointError,
+    ),
+    "incompatible-checkpoint-shape": Case(
+        "a checkpoint with other array shapes",
+        lambda: train_lib.restore_checkpoint(_saved(), {**TREE, "a": np.zeros(4, np.float32)}),
+        train_lib.CheckpointError,
+    ),
+    "failed-save": Case(
+        "a save that fails part-way (here: a leaf orbax cannot write); the previous "
+        "checkpoint stays the latest",
+        lambda: train_lib.save_checkpoint(_saved(), 4, {"a": object()}, {}),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(TRAINER_CASES))
+def test_trainer_bad_input(name):
+    err = trigger(TRAINER_CASES[name])
+    assert str(err), name
+
+
+def test_trainer_docs_table_is_current():
+    expected = dict(
+        zip(
+            TRAINER_CASES,
+            table_rows(TRAINER_CASES, "test_reliability.py", "test_trainer_bad_input"),
+            strict=True,
+        )
+    )
+    assert doc_rows("test_reliability.py") == expected, (
+        "regenerate with: python tests/test_reliability.py"
+    )
+
+
+if __name__ == "__main__":  # print the trainer rows of docs/bad_input.md
+    print("\n".join(table_rows(TRAINER_CASES, "test_reliability.py", "test_trainer_bad_input")))

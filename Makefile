@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 SCALE  ?= quick
 OUT    ?= results
 
-.PHONY: install test lint report example clean
+.PHONY: install test lint report example docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ report: $(STAMP)
 # The README's Flax NNX example, end to end.
 example: $(STAMP)
 	$(BIN)/python examples/nnx_train_step.py
+
+# The documentation site (Sphinx + MyST-NB, docstrings via autodoc) -> build/docs/html, with
+# warnings as errors as in CI. Notebooks are rendered as committed (no outputs); NB_EXECUTE=cache
+# runs them in the build (full size; results cached in build/docs/.jupyter_cache), =force reruns.
+docs: $(STAMP)
+	$(BIN)/python -c "import sphinx, myst_nb, furo" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[docs]"
+	$(BIN)/sphinx-build -W --keep-going -b html -D nb_execution_mode=$(or $(NB_EXECUTE),off) docs build/docs/html
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

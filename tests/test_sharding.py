@@ -23,11 +23,12 @@ def run_program(name, *args, timeout=600):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-STATE_DTYPES = ["None", "bfloat16"]
+STATE_DTYPES = ["None", "bfloat16", "int8"]
 
 
 def test_every_state_leaf_has_its_parameters_sharding():
     results = run_program("sharding_check.py", *STATE_DTYPES)
-    assert len(results) == 2 * 4 * len(STATE_DTYPES)  # (explicit, auto) meshes x aliases x dtypes
+    # (explicit, auto) meshes x aliases x dtypes; int8 on the auto mesh only (docs/devices.md)
+    assert len(results) == 4 * (2 * len(STATE_DTYPES) - 1)
     failures = {case: problems for case, problems in results.items() if problems}
     assert not failures, failures

@@ -146,17 +146,17 @@ def default_specs(
 class CompareConfig:
     """Sizes and settings of the comparison (``quick`` fits 2 CPU cores)."""
 
-    d_model: int = 32
+    d_model: int = 16
     n_layers: int = 2
     d_state: int = 16
     headdim: int = 16
     chunk_size: int = 16
-    batch_size: int = 64
-    steps: int = 400
-    warmup_steps: int = 40
+    batch_size: int = 16
+    steps: int = 600
+    warmup_steps: int = 60
     clip_norm: float | None = 1.0
     eval_every: int = 100
-    lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+    lrs: tuple[float, ...] = (1e-2,)
     n_wd: int = 3
     eval_seeds: tuple[int, ...] = (1, 2, 3)
     optimizers: tuple[str, ...] = ("adam_l2", "adamw", "adamw_schedule", "amsgrad", "lion")
@@ -164,7 +164,7 @@ class CompareConfig:
     copy_eval_every: int = 50
     copy_seq_len: int = 32
     copy_tokens: int = 4
-    copy_lr_factors: tuple[float, ...] = (1.0, 3.0)
+    copy_lr_factors: tuple[float, ...] = (1.0,)
     copy_target: float = 0.99
     lion_lr_factor: float = 0.2
     lion_wd_factor: float = 5.0
@@ -180,8 +180,8 @@ class CompareConfig:
         if scale == "quick":
             return cls()
         if scale == "full":
-            return cls(d_model=64, n_layers=2, steps=2000, warmup_steps=200, eval_every=200,
-                       lrs=_geom(3e-4, 1e-2, 6), n_wd=6, eval_seeds=(1, 2, 3, 4, 5),
+            return cls(d_model=64, n_layers=2, batch_size=64, steps=2000, warmup_steps=200,
+                       eval_every=200, lrs=_geom(3e-4, 1e-2, 6), n_wd=6, eval_seeds=(1, 2, 3, 4, 5),
                        copy_steps=2000, copy_eval_every=50,
                        copy_lr_factors=(0.5, 1.0, 2.0, 4.0))  # fmt: skip
         raise ValueError(f"scale must be 'smoke', 'quick' or 'full', got {scale!r}.")

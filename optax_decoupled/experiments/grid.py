@@ -50,14 +50,14 @@ WD_START = {"adam_l2": -5.5, "adamw": -2.0, "adamw_schedule": -5.5}
 class GridConfig:
     """Sizes of the lr × wd grids (``quick`` fits 2 CPU cores)."""
 
-    d_model: int = 32
+    d_model: int = 16
     n_layers: int = 2
     d_state: int = 16
     headdim: int = 16
     chunk_size: int = 16
-    batch_size: int = 32
-    steps: int = 300
-    warmup_steps: int = 30
+    batch_size: int = 16
+    steps: int = 200
+    warmup_steps: int = 20
     clip_norm: float | None = 1.0
     lrs: tuple[float, ...] = _half_decades(-4.0, 6)  # 1e-4 .. 3.2e-2
     n_wd: int = 6
@@ -73,7 +73,7 @@ class GridConfig:
         if scale == "quick":
             return cls()
         if scale == "full":
-            return cls(d_model=64, batch_size=64, steps=2000, warmup_steps=200,
+            return cls(d_model=64, n_layers=2, batch_size=64, steps=2000, warmup_steps=200,
                        lrs=_half_decades(-4.5, 8), n_wd=8, seeds=(0, 1, 2),
                        optimizers=("adam_l2", "adamw", "adamw_schedule"))  # fmt: skip
         raise ValueError(f"scale must be 'smoke', 'quick' or 'full', got {scale!r}.")

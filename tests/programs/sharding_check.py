@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_decoupled as od  # noqa: E402
 from optax_decoupled import sharding  # noqa: E402
+from optax_decoupled.quantization import QuantizedArray  # noqa: E402
 
 ALIASES = {
     "adamw": lambda sd: od.adamw(1e-3, weight_decay=0.1, state_dtype=sd),
@@ -36,6 +37,7 @@ def check_moments(tx, state, params, label, problems):
     param_shardings = jax.tree.map(lambda p: p.sharding, params)
 
     def compare(sharding_of_param, leaf):
+        leaf = getattr(leaf, "codes", leaf)  # int8: codes (n_blocks, B) split like the param
         if not leaf.sharding.is_equivalent_to(sharding_of_param, leaf.ndim):
             problems.append(f"{label}: {leaf.shape} has {leaf.sharding}")
         return leaf
@@ -43,6 +45,7 @@ def check_moments(tx, state, params, label, problems):
     optax.tree_utils.tree_map_params(
         tx, lambda leaf, sh: compare(sh, leaf), state, param_shardings,
         transform_non_params=lambda x: x,
+        is_leaf=lambda x: isinstance(x, QuantizedArray),
     )  # fmt: skip
 
 
@@ -59,6 +62,10 @@ def main(state_dtypes):
 
 
 def run_mesh(kind, mesh, state_dtypes, results):
+    if kind == "explicit":
+        # Known limitation: eager int8 init on a mesh with Explicit axes fails in the
+        # quantizer's reshape (docs/devices.md); int8 is checked on Auto meshes.
+        state_dtypes = [sd for sd in state_dtypes if sd != "int8"]
     fsdp, rep = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P())
     params = {
         "big": {"kernel": jax.device_put(jnp.ones((64, 96)), fsdp)},  # FSDP on the leading axis
@@ -80,6 +87,7 @@ def run_mesh(kind, mesh, state_dtypes, results):
                     problems.append(f"update {u.shape} has {u.sharding}")
             scaling = next(s for s in state if hasattr(s, "mu"))  # a direct look as well
             mu = scaling.mu["big"]["kernel"]
+            mu = getattr(mu, "codes", mu)  # int8: the (n_blocks, B) codes split like the param
             if not mu.sharding.is_equivalent_to(fsdp, 2) or mu.sharding.spec[0] != "fsdp":
                 problems.append(f"mu of big/kernel has {mu.sharding}")
             new = jax.jit(optax.apply_updates)(params, updates)

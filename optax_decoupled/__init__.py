@@ -13,6 +13,7 @@ The core imports only jax, optax and chex.
 
 from optax_decoupled.aliases import adam_l2, adamw, amsgrad, lion
 from optax_decoupled.masks import DecayMask, decay_mask, resolve_mask
+from optax_decoupled.packed import PackedLayout, packed, packed_layout, packed_transform
 from optax_decoupled.storage import BlockwiseInt8Storage, resolve_storage
 from optax_decoupled.transforms import (
     AMSGRAD_VARIANTS,
@@ -48,6 +49,10 @@ __all__ = [
     "decay_rate",
     "decoupled_weight_decay",
     "lion",
+    "packed",
+    "packed_layout",
+    "packed_transform",
+    "PackedLayout",
     "resolve_mask",
     "resolve_storage",
     "scale_by_adam",

@@ -182,19 +182,12 @@ def summary_table(doc: dict[str, Any]) -> str:
 
 
 def add_arguments(parser):
-    parser.add_argument("--scale", choices=("smoke", "quick", "full"), default="quick")
-    parser.add_argument("--out", default="results/grid", help="output directory")
-    parser.add_argument("--no-progress", action="store_true")
-    return parser
+    from optax_decoupled.experiments import report
+
+    return report.add_part_arguments(parser, "grid")
 
 
 def run_cli(args) -> int:
     from optax_decoupled.experiments import report
 
-    doc, wall, _ = report.run_part(
-        "grid", args.scale, args.out, force=True,
-        progress=not args.no_progress,
-    )  # fmt: skip
-    print(summary_table(doc))
-    print(f"\n{wall:.1f} s; results in {args.out}")
-    return 0
+    return report.run_part_cli("grid", args, summary_table)

@@ -519,18 +519,12 @@ def markdown(doc: dict[str, Any], rel: str = "memory") -> str:
 
 
 def add_arguments(parser):
-    parser.add_argument("--scale", choices=("smoke", "quick", "full"), default="quick")
-    parser.add_argument("--out", default="results/memory", help="output directory")
-    parser.add_argument("--no-progress", action="store_true")
-    return parser
+    from optax_decoupled.experiments import report
+
+    return report.add_part_arguments(parser, "memory")
 
 
 def run_cli(args) -> int:
     from optax_decoupled.experiments import report
 
-    doc, wall, _ = report.run_part(
-        "memory", args.scale, args.out, force=True, progress=not args.no_progress
-    )
-    print(markdown(doc))
-    print(f"\n{wall:.1f} s; results in {args.out}")
-    return 0
+    return report.run_part_cli("memory", args, markdown)

@@ -243,6 +243,22 @@ def run_report(
 # ---------------------------------------------------------------------------------------------
 
 
+def add_part_arguments(parser: argparse.ArgumentParser, part: str) -> argparse.ArgumentParser:
+    """The options of a single-part subcommand (``compare``, ``grid``, ``memory``)."""
+    parser.add_argument("--scale", choices=SCALES, default="quick")
+    parser.add_argument("--out", default=f"results/{part}", help="output directory")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def run_part_cli(part: str, args: argparse.Namespace, summary: Callable[[dict], str]) -> int:
+    """Runs one part (always afresh) for a subcommand and prints its summary."""
+    doc, wall, _ = run_part(part, args.scale, args.out, force=True, progress=not args.no_progress)
+    print(summary(doc))
+    print(f"\n{wall:.1f} s; results in {args.out}")
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--scale", choices=SCALES, default="quick",

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 import optax_decoupled as od
-from optax_decoupled import packed as packed_lib
+from optax_decoupled.packed import PackedLayout, packed, packed_layout
 
 # ---------------------------------------------------------------------------------------------
 # Layouts
@@ -145,8 +145,8 @@ def jax_contender(name: str, params: Any, grads: Any) -> JaxStep:
     return JaxStep(name, make_step(tx), p, tx.init(p), grads, n)
 
 
-def od_packed_layout(params: Any) -> packed_lib.PackedLayout:
-    return packed_lib.packed_layout(params, "auto")
+def od_packed_layout(params: Any) -> PackedLayout:
+    return packed_layout(params, "auto")
 
 
 JAX_CONTENDERS: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -156,8 +156,8 @@ JAX_CONTENDERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "optax.adamw (again)": lambda: optax.adamw(LR, weight_decay=WD),
     "od.adamw": lambda: od.adamw(LR, weight_decay=WD),
     "od.adamw(mask=None)": lambda: od.adamw(LR, weight_decay=WD, mask=None),
-    "od.packed(adamw)": lambda: packed_lib.packed(od.adamw)(LR, weight_decay=WD),
-    "od.packed(adamw) all leaves": lambda: packed_lib.packed(od.adamw, max_leaf_size=None)(
+    "od.packed(adamw)": lambda: packed(od.adamw)(LR, weight_decay=WD),
+    "od.packed(adamw) all leaves": lambda: packed(od.adamw, max_leaf_size=None)(
         LR, weight_decay=WD
     ),
     "od.amsgrad": lambda: od.amsgrad(LR, weight_decay=WD),

@@ -126,6 +126,30 @@ def _selective_copying_example(
     return {"inputs": inputs, "targets": targets, "mask": mask}
 
 
+def _synthetic_sampler(
+    one: Callable[[jax.Array], Batch], batch_size: int, seed: int, salt: int, num_eval: int
+) -> tuple[Callable[[jax.Array, jax.Array], Batch], dict[str, dict[str, np.ndarray]]]:
+    """A synthetic task's pure training sampler and its fixed ``val``/``test`` splits.
+
+    ``one`` maps a batch of keys to a batch of examples. Training draws fresh examples from
+    ``fold_in(key, step)``; the splits come from keys derived from ``seed`` and ``salt``.
+    """
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def sample(key: jax.Array, n: int) -> Batch:
+        return one(jax.random.split(key, n))
+
+    def train_batch(key: jax.Array, step: jax.Array) -> Batch:
+        return sample(jax.random.fold_in(key, step), batch_size)
+
+    eval_key = jax.random.fold_in(jax.random.key(seed), salt)
+    splits = {
+        name: jax.tree.map(np.asarray, sample(jax.random.fold_in(eval_key, i), num_eval))
+        for i, name in enumerate(("val", "test"))
+    }
+    return train_batch, splits
+
+
 def selective_copying(
     seq_len: int = 32,
     num_tokens: int = 4,
@@ -153,19 +177,7 @@ def selective_copying(
         raise ValueError(f"vocab_size must be >= 3 (noise, marker, data), got {vocab_size}.")
     num_data, marker = vocab_size - 2, vocab_size - 1
     one = jax.vmap(lambda k: _selective_copying_example(k, seq_len, num_tokens, num_data, marker))
-
-    @functools.partial(jax.jit, static_argnums=1)
-    def sample(key: jax.Array, n: int) -> Batch:
-        return one(jax.random.split(key, n))
-
-    def train_batch(key: jax.Array, step: jax.Array) -> Batch:
-        return sample(jax.random.fold_in(key, step), batch_size)
-
-    eval_key = jax.random.fold_in(jax.random.key(seed), 0x5E1)
-    splits = {
-        name: jax.tree.map(np.asarray, sample(jax.random.fold_in(eval_key, i), num_eval))
-        for i, name in enumerate(("val", "test"))
-    }
+    train_batch, splits = _synthetic_sampler(one, batch_size, seed, 0x5E1, num_eval)
     return Task(
         name="selective_copying",
         seq_len=seq_len + num_tokens,
@@ -217,19 +229,7 @@ def induction_heads(
     if vocab_size < 3:
         raise ValueError(f"vocab_size must be >= 3, got {vocab_size}.")
     one = jax.vmap(lambda k: _induction_example(k, seq_len, vocab_size))
-
-    @functools.partial(jax.jit, static_argnums=1)
-    def sample(key: jax.Array, n: int) -> Batch:
-        return one(jax.random.split(key, n))
-
-    def train_batch(key: jax.Array, step: jax.Array) -> Batch:
-        return sample(jax.random.fold_in(key, step), batch_size)
-
-    eval_key = jax.random.fold_in(jax.random.key(seed), 0x1DC)
-    splits = {
-        name: jax.tree.map(np.asarray, sample(jax.random.fold_in(eval_key, i), num_eval))
-        for i, name in enumerate(("val", "test"))
-    }
+    train_batch, splits = _synthetic_sampler(one, batch_size, seed, 0x1DC, num_eval)
     return Task(
         name="induction_heads",
         seq_len=seq_len,

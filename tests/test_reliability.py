@@ -450,6 +450,10 @@ TRAINER_CASES: dict[str, Case] = {
         "`TrainConfig(max_consecutive_nonfinite=...)` < 0",
         lambda: train_lib.TrainConfig(skip_nonfinite=True, max_consecutive_nonfinite=-1),
     ),
+    "config-chunk": Case(
+        '`TrainConfig(config_chunk=...)` not `None`, `"auto"` or an int >= 1',
+        lambda: train_lib.TrainConfig(config_chunk=0),
+    ),
     "model-config-mismatch": Case(
         "a model config whose inputs/head do not fit the task",
         lambda: train_lib.train_grid(

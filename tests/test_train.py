@@ -1,8 +1,12 @@
 """Tests of the SSM trainer: pure step, vmapped grid = one-by-one runs, checkpoint/resume
 bit-identity and errors, JSON lines, schedules, and plugging in optax_decoupled.adamw."""
 
+import json
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -226,6 +230,44 @@ def test_argument_errors(task, model_config):
         train_lib.train_grid(task, model_config, optax.sgd(0.1), resume=True)
     with pytest.raises(ValueError):
         train_lib.TrainConfig(steps=0)
+
+
+def test_grid_over_devices_and_chunks():
+    """On 4 CPU devices (own process): the K axis split over the devices with shard_map, and
+    lax.map chunks of any size, give the one-device vmap's results to float rounding; a sharded
+    run resumed from its checkpoint equals the uninterrupted one bit for bit and stays sharded."""
+    program = pathlib.Path(__file__).parent / "programs" / "grid_over_devices.py"
+    proc = subprocess.run(
+        [sys.executable, str(program)], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["devices"] == out["mesh_size"] == 4
+    assert set(out["variants"]) == {
+        "sharded, chunk auto",
+        "sharded, chunk 1",
+        "one device, chunk 3",
+    }
+    for name, v in out["variants"].items():
+        assert v["param_devices"] == (1 if name.startswith("one device") else 4), name
+        assert v["loss_diff"] < 1e-5 and v["param_diff"] < 1e-5 and v["val_loss_diff"] < 1e-5, v
+    padded = out["padded"]  # K = 5 padded to 8 on 4 devices; the padding is dropped
+    assert padded["runs"] == padded["param_rows"] == 5
+    assert padded["param_diff"] < 1e-5 and padded["loss_diff"] < 1e-5, padded
+    assert out["resume_start"] == 3 and out["resume_bit_identical"]
+    assert out["resumed_param_devices"] == 4
+
+
+def test_config_chunk_resolution():
+    assert train_lib.resolve_config_chunk("auto", "cpu") == train_lib.CPU_CONFIG_CHUNK
+    assert train_lib.resolve_config_chunk("auto", "gpu") is None
+    assert train_lib.resolve_config_chunk(3, "gpu") == 3
+    assert train_lib.resolve_config_chunk(None, "cpu") is None
+    assert train_lib.config_mesh(3, shard=False) is None
+    assert train_lib.config_mesh(1) is None
+    mesh = train_lib.config_mesh(1000)
+    assert (mesh.size if mesh else 1) == len(jax.local_devices())
 
 
 def test_optax_decoupled_adamw_plugs_in(task, model_config):

@@ -79,6 +79,8 @@ import numpy as np
 import optax
 
 import optax_decoupled as od
+from optax_decoupled.experiments import xla_setup
+from optax_decoupled.experiments.xla_setup import FAST_LOOPS_FLAG
 
 #: Optimizer names accepted by :class:`Run` (see the module docstring).
 OPTIMIZERS = (
@@ -1027,10 +1029,6 @@ def timing_table(doc: dict[str, Any]) -> str:
 # Command line
 # ---------------------------------------------------------------------------------------------
 
-#: Lets XLA:CPU compile a whole while loop (one batch of runs) into one kernel. Its default
-#: limit, 1 kB of loop state, covers only a few runs per batch.
-FAST_LOOPS_FLAG = "--xla_backend_extra_options=xla_cpu_small_while_loop_byte_threshold=100000000"
-
 
 def enable_fast_cpu_loops() -> bool:
     """Adds :data:`FAST_LOOPS_FLAG` to ``XLA_FLAGS`` if no JAX backend has started yet.
@@ -1040,20 +1038,10 @@ def enable_fast_cpu_loops() -> bool:
     float rounding. Returns whether the flag was added: not if ``XLA_FLAGS`` already sets
     ``xla_backend_extra_options``, nor once a backend is initialised (XLA reads its flags once,
     when the first backend starts), so call it before any JAX computation. The CLI calls it
-    unless ``--no-fast-loops``; the notebook calls it in its first cell.
+    unless ``--no-fast-loops``; the notebook calls it in its first cell. See also
+    :func:`optax_decoupled.experiments.xla_setup.configure_cpu`.
     """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_extra_options" in flags:
-        return False
-    try:
-        from jax._src import xla_bridge
-
-        if xla_bridge.backends_are_initialized():
-            return False
-    except (ImportError, AttributeError):
-        return False
-    os.environ["XLA_FLAGS"] = f"{flags} {FAST_LOOPS_FLAG}".strip()
-    return True
+    return bool(xla_setup.add_xla_flags(FAST_LOOPS_FLAG))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -74,11 +74,11 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-def _enable_fast_cpu_loops() -> None:
-    """XLA:CPU compiles the Reddi runs' while loops into one kernel (must precede any JAX work)."""
-    from optax_decoupled.experiments import reddi
+def _configure_cpu() -> None:
+    """XLA:CPU flags (fast Reddi loops, one CPU device per core); must precede any JAX work."""
+    from optax_decoupled.experiments import xla_setup
 
-    reddi.enable_fast_cpu_loops()
+    xla_setup.configure_cpu()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def run_report(
         raise ValueError(f"unknown parts {unknown}; choose from {list(RUNNERS)}.")
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    _enable_fast_cpu_loops()
+    _configure_cpu()
     sections, walls = [], {}
     t0 = time.perf_counter()
     for part in parts:
@@ -253,6 +253,7 @@ def add_part_arguments(parser: argparse.ArgumentParser, part: str) -> argparse.A
 
 def run_part_cli(part: str, args: argparse.Namespace, summary: Callable[[dict], str]) -> int:
     """Runs one part (always afresh) for a subcommand and prints its summary."""
+    _configure_cpu()
     doc, wall, _ = run_part(part, args.scale, args.out, force=True, progress=not args.no_progress)
     print(summary(doc))
     print(f"\n{wall:.1f} s; results in {args.out}")

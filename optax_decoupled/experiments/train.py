@@ -36,7 +36,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -258,6 +258,17 @@ class TrainConfig:
         than this many non-finite steps *in a row* the update is applied anyway (and the
         non-finite values reach the parameters), so a run that has truly diverged does not
         silently stand still.
+      config_chunk: how many configurations one device computes at a time. ``None``: all of
+        its configurations in one ``jax.vmap``; an int ``c``: ``jax.lax.map(..., batch_size=c)``
+        -- a loop over chunks of ``c`` vmapped configurations inside the same compiled step.
+        ``"auto"`` (default): all at once on accelerators, chunks of 2 on CPU, where a wide
+        vmap pushes the working set out of the L2 cache and is *slower* than a loop
+        (``benchmarks/grid_vmap.py``). Results do not depend on it beyond float rounding.
+      shard_configs: split the ``K`` configurations over the local devices (a 1-D mesh,
+        ``jax.shard_map``), using the largest device count that divides ``K``. On a CPU host
+        this uses several cores only if XLA exposes several CPU devices
+        (:func:`~optax_decoupled.experiments.xla_setup.configure_cpu`, called by the CLI, the
+        report and the notebooks).
     """
 
     steps: int = 600
@@ -271,6 +282,8 @@ class TrainConfig:
     progress: bool = True
     skip_nonfinite: bool = False
     max_consecutive_nonfinite: int = 10
+    config_chunk: int | Literal["auto"] | None = "auto"
+    shard_configs: bool = True
 
     def __post_init__(self):
         if self.steps < 1 or self.eval_every < 1 or self.eval_batch_size < 1:
@@ -282,6 +295,9 @@ class TrainConfig:
             or self.max_consecutive_nonfinite < 0
         ):
             raise ValueError("max_consecutive_nonfinite must be an int >= 0.")
+        chunk = self.config_chunk
+        if not (chunk is None or chunk == "auto" or (isinstance(chunk, int) and chunk >= 1)):
+            raise ValueError(f"config_chunk must be None, 'auto' or an int >= 1, got {chunk!r}.")
 
 
 @dataclasses.dataclass
@@ -524,9 +540,61 @@ def _as_make_tx(tx: MakeTx | optax.GradientTransformation) -> MakeTx:
     return tx
 
 
+#: Configurations per vmapped chunk on CPU for ``TrainConfig(config_chunk="auto")``.
+CPU_CONFIG_CHUNK = 2
+
+CONFIG_AXIS = "configs"
+
+
+def resolve_config_chunk(chunk: int | str | None, platform: str | None = None) -> int | None:
+    """The chunk size ``TrainConfig.config_chunk`` means on ``platform`` (default backend)."""
+    if chunk != "auto":
+        return chunk
+    platform = platform or jax.default_backend()
+    return CPU_CONFIG_CHUNK if platform == "cpu" else None
+
+
+def config_mesh(k: int, shard: bool = True) -> jax.sharding.Mesh | None:
+    """A 1-D mesh over ``min(k, number of local devices)`` devices, ``None`` if that is 1.
+
+    When the mesh size does not divide ``k``, :func:`train_grid` pads the grid with copies of
+    its last configuration (computed, then dropped), so every device gets the same share.
+    """
+    if not shard:
+        return None
+    devices = jax.local_devices()
+    n = min(k, len(devices))
+    if n <= 1:
+        return None
+    return jax.sharding.Mesh(np.asarray(devices[:n]), (CONFIG_AXIS,))
+
+
+def _place(state: TrainState, mesh: jax.sharding.Mesh | None) -> TrainState:
+    """Puts the K axis of every state leaf on ``mesh`` (the step counter is replicated)."""
+    if mesh is None:
+        return state
+    P = jax.sharding.PartitionSpec
+    split = jax.sharding.NamedSharding(mesh, P(CONFIG_AXIS))
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    step = jax.device_put(state.step, replicated)
+    rest = jax.device_put(state._replace(step=None), split)
+    return rest._replace(step=step)
+
+
 @functools.lru_cache(maxsize=32)
-def _programs(graphdef: nnx.GraphDef, task: tasks_lib.Task, make_tx: MakeTx):
-    """Jitted (opt-init, step) programs, cached so repeated runs reuse their compilations."""
+def _programs(
+    graphdef: nnx.GraphDef,
+    task: tasks_lib.Task,
+    make_tx: MakeTx,
+    chunk: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+):
+    """Jitted (opt-init, step) programs, cached so repeated runs reuse their compilations.
+
+    The step maps the single-configuration step over the K axis: one ``jax.vmap``
+    (``chunk=None``) or ``jax.lax.map`` over chunks of ``chunk`` vmapped configurations, inside
+    a ``jax.shard_map`` over ``mesh``'s devices when one is given.
+    """
 
     def opt_init(params, hparams):
         return jax.vmap(lambda p, hp: make_tx(**hp).init(p))(params, hparams)
@@ -537,8 +605,24 @@ def _programs(graphdef: nnx.GraphDef, task: tasks_lib.Task, make_tx: MakeTx):
             params, opt_state, batch, hparams, graphdef=graphdef, rest=rest, make_tx=make_tx
         )
 
+    def local_steps(params, rest, opt_state, data_key, hparams, step):
+        per_config = (params, rest, opt_state, data_key, hparams)
+        k = data_key.shape[0]
+        if chunk is None or chunk >= k:
+            return jax.vmap(one_step, in_axes=(0, 0, 0, 0, 0, None))(*per_config, step)
+        return jax.lax.map(lambda xs: one_step(*xs, step), per_config, batch_size=chunk)
+
+    if mesh is not None:
+        P = jax.sharding.PartitionSpec
+        local_steps = jax.shard_map(
+            local_steps,
+            mesh=mesh,
+            in_specs=(P(CONFIG_AXIS),) * 5 + (P(),),
+            out_specs=P(CONFIG_AXIS),
+        )
+
     def step_fn(state: TrainState, hparams):
-        params, opt_state, metrics = jax.vmap(one_step, in_axes=(0, 0, 0, 0, 0, None))(
+        params, opt_state, metrics = local_steps(
             state.params, state.rest, state.opt_state, state.data_key, hparams, state.step
         )
         new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -653,6 +737,9 @@ def train_grid(
         ``stop_at`` and at the end).
       resume: continue from the latest checkpoint in ``checkpoint_dir``; raises
         ``FileNotFoundError`` if there is none and :class:`CheckpointError` if it is unusable.
+        A checkpoint holds the state as trained, including any padding of the grid to a
+        multiple of the device count (``TrainConfig.shard_configs``); a grid that needed
+        padding resumes on the same number of devices.
       stop_at: stop after this many steps (saving a checkpoint), to emulate an interruption.
       metrics_path: append JSON lines here (``"eval"`` records per configuration and
         evaluation, a ``"final"`` record per configuration).
@@ -679,15 +766,28 @@ def train_grid(
     if config.skip_nonfinite:
         make_tx = _skip_nonfinite_make_tx(make_tx, config.max_consecutive_nonfinite)
     graphdef = model_graphdef(model_config)
-    opt_init, step_fn = _programs(graphdef, task, make_tx)
-    hp_dev = {n: jnp.asarray(v, jnp.float32) for n, v in hp.items()}
+    mesh = config_mesh(k, config.shard_configs)
+    chunk = resolve_config_chunk(config.config_chunk)
+    opt_init, step_fn = _programs(graphdef, task, make_tx, chunk, mesh)
+    # Padding so that the mesh divides the grid: copies of the last configuration, dropped
+    # from every result (they only keep the devices' shares equal).
+    k_run = k if mesh is None else -(-k // mesh.size) * mesh.size
+    seeds_run = np.concatenate([seeds_arr, np.repeat(seeds_arr[-1:], k_run - k)])
+    hp_dev = {
+        n: jnp.asarray(np.concatenate([v, np.repeat(v[-1:], k_run - k)]), jnp.float32)
+        for n, v in hp.items()
+    }
+    if mesh is not None:
+        hp_dev = jax.device_put(
+            hp_dev, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(CONFIG_AXIS))
+        )
 
     t_start = time.perf_counter()
-    model_keys = jnp.stack([seed_keys(int(s))[0] for s in seeds_arr])
-    data_keys = jnp.stack([jax.random.key_data(seed_keys(int(s))[1]) for s in seeds_arr])
+    model_keys = jnp.stack([seed_keys(int(s))[0] for s in seeds_run])
+    data_keys = jnp.stack([jax.random.key_data(seed_keys(int(s))[1]) for s in seeds_run])
     _, params, rest = init_models(model_config, model_keys)
     opt_state = opt_init(params, hp_dev)
-    state = TrainState(jnp.asarray(0, jnp.int32), params, rest, opt_state, data_keys)
+    state = _place(TrainState(jnp.asarray(0, jnp.int32), params, rest, opt_state, data_keys), mesh)
     history = {
         "loss": np.full((k, steps), np.nan, np.float32),
         "accuracy": np.full((k, steps), np.nan, np.float32),
@@ -716,6 +816,7 @@ def train_grid(
         # Through host memory, so the arrays are uncommitted like freshly initialised ones and
         # the cached step program is reused instead of recompiled for committed inputs.
         state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), restored["state"])
+        state = _place(state, mesh)
         history = {n: np.array(v) for n, v in restored["history"].items()}
         evals = saved_meta["evals"]
 
@@ -751,7 +852,7 @@ def train_grid(
     def flush() -> None:
         for s, m in jax.device_get(pending):
             for name in history:
-                history[name][:, s] = m[name]
+                history[name][:, s] = m[name][:k]
         pending.clear()
 
     from tqdm.auto import tqdm
@@ -841,6 +942,8 @@ def train_grid(
         runs.append(run)
     if metrics_path is not None and end == steps:
         write_jsonl(metrics_path, [r.to_dict() for r in runs])
+    if k_run > k:  # drop the padding
+        state = jax.tree.map(lambda v: v[:k] if np.ndim(v) else v, state)
     return GridResult(
         runs=runs,
         graphdef=graphdef,

@@ -1,0 +1,100 @@
+"""Run in its own process with 4 simulated CPU devices (see tests/test_train.py).
+
+A grid of K = 4 configurations trained by ``train.train_grid`` with its defaults -- the K axis
+split over the 4 devices by ``jax.shard_map`` -- against the same grid on one device
+(``shard_configs=False``), both with one full ``jax.vmap`` and with ``lax.map`` chunks; then a
+sharded run stopped at step 3 and resumed from its checkpoint. Prints one JSON object: the
+devices each program used, the largest loss / parameter differences to the one-device vmap,
+whether the resumed run equals the uninterrupted one bit for bit, and the final state's
+shardings.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from optax_decoupled.experiments import ssm, tasks  # noqa: E402
+from optax_decoupled.experiments import train as train_lib  # noqa: E402
+
+STEPS = 6
+task = tasks.induction_heads(seq_len=16, vocab_size=8, batch_size=8, num_eval=32)
+model = ssm.SSMConfig(
+    d_model=16, n_layers=1, d_state=8, headdim=8, chunk_size=8, **task.model_kwargs()
+)
+make_tx = train_lib.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2)
+hparams = {"learning_rate": [1e-3, 3e-3, 1e-2, 3e-2], "weight_decay": [0.0, 0.1, 0.01, 0.3]}
+seeds = [0, 1, 2, 3]
+base = train_lib.TrainConfig(
+    steps=STEPS, eval_every=3, eval_batch_size=32, progress=False, final_splits=("val",)
+)
+
+
+def run(config, **kwargs):
+    return train_lib.train_grid(task, model, make_tx, hparams, seeds, config, **kwargs)
+
+
+def max_diff(a, b):
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+reference = run(dataclasses.replace(base, shard_configs=False, config_chunk=None))
+variants = {
+    "sharded, chunk auto": base,
+    "sharded, chunk 1": dataclasses.replace(base, config_chunk=1),
+    "one device, chunk 3": dataclasses.replace(base, shard_configs=False, config_chunk=3),
+}
+out = {"devices": len(jax.devices()), "mesh_size": train_lib.config_mesh(4).size, "variants": {}}
+for name, config in variants.items():
+    res = run(config)
+    out["variants"][name] = {
+        "param_devices": len(jax.tree.leaves(res.params)[0].sharding.device_set),
+        "loss_diff": max_diff(
+            [r.train_loss for r in res.runs], [r.train_loss for r in reference.runs]
+        ),
+        "param_diff": max_diff(res.params, reference.params),
+        "val_loss_diff": max(
+            abs(a.final["val_loss"] - b.final["val_loss"])
+            for a, b in zip(res.runs, reference.runs, strict=True)
+        ),
+    }
+# K = 5 on 4 devices: padded to 8 (copies of the last configuration), padding dropped.
+five = {n: [*v, v[-1] * 0.5] for n, v in hparams.items()}
+padded = train_lib.train_grid(task, model, make_tx, five, [*seeds, 4], base)
+alone = train_lib.train_grid(
+    task, model, make_tx, five, [*seeds, 4], dataclasses.replace(base, shard_configs=False)
+)
+out["padded"] = {
+    "runs": len(padded.runs),
+    "param_rows": int(jax.tree.leaves(padded.params)[0].shape[0]),
+    "param_diff": max_diff(padded.params, alone.params),
+    "loss_diff": max_diff([r.train_loss for r in padded.runs], [r.train_loss for r in alone.runs]),
+}
+with tempfile.TemporaryDirectory() as tmp:
+    full = run(base)
+    run(base, checkpoint_dir=tmp, stop_at=3)
+    resumed = run(base, checkpoint_dir=tmp, resume=True)
+    out["resume_start"] = resumed.start_step
+    out["resume_bit_identical"] = all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(full.params), strict=True)
+    ) and all(
+        np.array_equal(a.train_loss, b.train_loss) and a.final == b.final
+        for a, b in zip(resumed.runs, full.runs, strict=True)
+    )
+    out["resumed_param_devices"] = len(jax.tree.leaves(resumed.params)[0].sharding.device_set)
+print(json.dumps(out))
+sys.exit(0)

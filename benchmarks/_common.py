@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 import optax_decoupled as od
-from optax_decoupled.packed import PackedLayout, packed, packed_layout
+from optax_decoupled.packing import PackedLayout, packed, packed_layout
 
 # ---------------------------------------------------------------------------------------------
 # Layouts
@@ -163,6 +163,11 @@ JAX_CONTENDERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "od.amsgrad": lambda: od.amsgrad(LR, weight_decay=WD),
     "od.lion": lambda: od.lion(LR * 0.1, weight_decay=WD * 10),
     "optax.lion": lambda: optax.lion(LR * 0.1, weight_decay=WD * 10),
+    # Not an optimizer to compare: ``params - lr * grads``, one kernel per leaf. Any step that
+    # takes and returns pytree parameters writes each leaf with at least one kernel (XLA does
+    # not fuse outputs of different shapes), so this is the floor of every pytree step,
+    # `od.packed` included; flat parameters are not bound by it.
+    "floor: optax.sgd": lambda: optax.sgd(LR),
 }
 
 

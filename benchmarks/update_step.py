@@ -20,6 +20,7 @@ estimated from its optimized HLO (kernels x bytes each reads and writes).
     python benchmarks/update_step.py --quick     # < 1 minute: 1e6 parameters, 1 and 20 leaves
     python benchmarks/update_step.py             # full: 1 and 200 leaves x 1e6, 1e7, 5e7
     python benchmarks/update_step.py --sizes 1e8 2e8 --gpu     # what benchmarks/gpu.sh runs
+    python benchmarks/update_step.py --packed-target   # ~1 minute: issue #7's packed target
 
 Writes ``benchmarks/results/update_step.json`` and a Markdown table (also printed) for
 ``docs/performance.md``.
@@ -64,6 +65,17 @@ TORCH = [
     "torch AdamW fused 1t",
     "torch AdamW foreach",
     "torch AdamW fused",
+]
+
+#: ``--packed-target``: the layout and contenders of the packed-path target (issue #7): 200
+#: leaves / 1e6 parameters, packed with pytree and with flat parameters, against Optax, with the
+#: per-leaf floor of pytree steps and Optax built again (the run's noise floor).
+PACKED_TARGET = [
+    "optax.adamw",
+    "od.packed(adamw)",
+    "od.packed(adamw) flat",
+    "floor: optax.sgd",
+    "optax.adamw (again)",
 ]
 
 #: Nominal peak memory bandwidth (GB/s) by ``device_kind``, for the GPU report.
@@ -314,6 +326,11 @@ def gpu_report(groups) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1e6 parameters, 1 and 20 leaves")
+    ap.add_argument(
+        "--packed-target",
+        action="store_true",
+        help="200 leaves / 1e6 parameters, packed contenders only, no torch (issue #7)",
+    )
     ap.add_argument("--sizes", type=float, nargs="*", default=None)
     ap.add_argument("--leaves", type=int, nargs="*", default=None)
     ap.add_argument("--contenders", nargs="*", default=None, help="JAX contenders to run")
@@ -322,12 +339,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--group-budget", type=float, default=None, help="seconds of timing per group")
     ap.add_argument("--gpu", action="store_true", help="report the fraction of peak bandwidth")
     ap.add_argument("--peak-gbps", type=float, default=None)
-    ap.add_argument("--out", default="benchmarks/results/update_step.json")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="default benchmarks/results/update_step.json (update_step_packed.json with "
+        "--packed-target)",
+    )
     args = ap.parse_args(argv)
     if args.gpu and jax.default_backend() != "gpu":
         ap.error(f"--gpu, but JAX's backend is {jax.default_backend()!r} ({jax.devices()}).")
     if args.peak_gbps:
         PEAK_GBPS[jax.devices()[0].device_kind] = args.peak_gbps
+    if args.packed_target:
+        args.sizes = args.sizes or [1e6]
+        args.leaves = args.leaves or [200]
+        args.contenders = args.contenders or PACKED_TARGET
+        args.no_torch = True
+    if args.out is None:
+        name = "update_step_packed.json" if args.packed_target else "update_step.json"
+        args.out = f"benchmarks/results/{name}"
     sizes = [int(s) for s in (args.sizes or ([1e6] if args.quick else [1e6, 1e7, 5e7]))]
     args.sizes_run = sizes
     leaves = args.leaves or ([1, 20] if args.quick else [1, 200])

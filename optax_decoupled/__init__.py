@@ -13,7 +13,14 @@ The core imports only jax, optax and chex.
 
 from optax_decoupled.aliases import adam_l2, adamw, amsgrad, lion
 from optax_decoupled.masks import DecayMask, decay_mask, resolve_mask
-from optax_decoupled.packed import PackedLayout, packed, packed_layout, packed_transform
+from optax_decoupled.packing import (
+    PACKED_MASK,
+    PackedLayout,
+    PackedState,
+    packed,
+    packed_layout,
+    packed_transform,
+)
 from optax_decoupled.storage import BlockwiseInt8Storage, resolve_storage
 from optax_decoupled.transforms import (
     AMSGRAD_VARIANTS,
@@ -52,7 +59,9 @@ __all__ = [
     "packed",
     "packed_layout",
     "packed_transform",
+    "PACKED_MASK",
     "PackedLayout",
+    "PackedState",
     "resolve_mask",
     "resolve_storage",
     "scale_by_adam",

@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import optax_decoupled as od
-from optax_decoupled.packed import PackedState, packed, packed_layout
+from optax_decoupled.packing import PackedState, packed, packed_layout
 
 STEPS = 20
 SCHED = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 4, 40)
@@ -403,3 +403,16 @@ def test_signature_is_the_factory_s():
     import inspect
 
     assert inspect.signature(packed(od.adamw)) == inspect.signature(od.adamw)
+
+
+def test_module_and_function_names_are_distinct():
+    # Issue #7: the function `od.packed` used to shadow a module of the same name.
+    import importlib
+
+    import optax_decoupled.packing as packing_module
+
+    assert callable(od.packed) and od.packed is packing_module.packed
+    assert importlib.import_module("optax_decoupled.packing") is od.packing
+    assert od.PackedState is PackedState and od.PACKED_MASK is packing_module.PACKED_MASK
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("optax_decoupled.packed")

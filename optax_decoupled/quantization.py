@@ -56,13 +56,23 @@ elements ``[b B, (b+1) B)``, so a shard along the leading axis of a parameter of
 :math:`(\mathrm{size}/S) \bmod B = 0`, e.g. whenever the product of the trailing dimensions is
 a multiple of :math:`B` and :math:`S` divides :math:`d_0`. Then the codes' and scales'
 leading axis shards the same way and quantization needs no communication.
+
+**Explicit meshes.** On a mesh with *Explicit* axes (the default of ``jax.make_mesh``) the
+sharding is part of an array's type and reshapes of sharded dimensions need an output
+sharding, so :func:`quantize` lays the blocks out itself, by the rule of
+:func:`optax_decoupled.storage.stored_sharding`: codes and scales split over the mesh axes of
+the array's leading axis when their number of shards divides ``n_blocks``, replicated
+otherwise. With whole blocks per shard each device quantizes its own rows (local reshapes, no
+communication); otherwise the array is gathered, quantized whole and the result sliced.
+:func:`dequantize` given an array rather than a shape returns values with that array's
+sharding. The values are the same as on one device.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +183,57 @@ def _tables(signed: bool) -> _Tables:
     raise AssertionError("no table size separates the map's decision points")  # pragma: no cover
 
 
+def _explicit_sharding(x: Any) -> jax.sharding.NamedSharding | None:
+    """The sharding in ``x``'s type when it lives on a mesh with Explicit axes, else ``None``.
+
+    On such a mesh (the default of ``jax.make_mesh``) the sharding is part of the type, and
+    gathers, reshapes, slices and pads of sharded dimensions need an explicit output sharding.
+    """
+    try:
+        sharding = jax.typeof(x).sharding
+    except TypeError:  # pragma: no cover - not an array
+        return None
+    axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    if not any(t == jax.sharding.AxisType.Explicit for t in axis_types):
+        return None
+    return sharding
+
+
+def _named(like: jax.sharding.NamedSharding, *spec: Any) -> jax.sharding.NamedSharding:
+    return jax.sharding.NamedSharding(like.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def _padded_spec(sharding: jax.sharding.NamedSharding, ndim: int) -> tuple[Any, ...]:
+    spec = tuple(sharding.spec)
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _lookup(table: np.ndarray, index: jax.Array) -> jax.Array:
+    """``table[index]``; on an Explicit mesh the result takes ``index``'s sharding."""
+    sharding = _explicit_sharding(index)
+    if sharding is None:
+        return jnp.asarray(table)[index]
+    return jnp.asarray(table).at[index].get(out_sharding=sharding)
+
+
+def _leading_axes(sharding: jax.sharding.NamedSharding) -> tuple[Any, int]:
+    """``(entry, S)``: the spec entry of the leading axis and the number of shards it makes."""
+    spec = sharding.spec
+    lead = spec[0] if len(spec) else None
+    names = () if lead is None else (lead if isinstance(lead, tuple) else (lead,))
+    shards = int(np.prod([sharding.mesh.shape[n] for n in names], dtype=np.int64))
+    return (lead if names else None), shards
+
+
+def _block_spec(sharding: jax.sharding.NamedSharding, n_blocks: int) -> Any:
+    """The leading spec entry of the codes ``(n_blocks, B)`` and scales ``(n_blocks,)`` of an
+    array with this (parameter) sharding: its leading axis's mesh axes when they divide
+    ``n_blocks``, else ``None`` (replicated). :func:`quantize` and
+    :func:`optax_decoupled.storage.stored_sharding` share this rule."""
+    lead, shards = _leading_axes(sharding)
+    return lead if lead is not None and n_blocks % shards == 0 else None
+
+
 def quantize_normalized(x: jax.Array, *, signed: bool) -> jax.Array:
     """Codes (uint8) of values already scaled into ``[-1, 1]`` (clipped if outside)."""
     t = _tables(signed)
@@ -183,8 +244,8 @@ def quantize_normalized(x: jax.Array, *, signed: bool) -> jax.Array:
     n = t.code_pair.shape[1]
     index = jnp.minimum((mag_bits >> t.shift).astype(jnp.int32), n - 1) + negative * n
     # Each table is gathered once, so that XLA fuses the whole lookup into one loop.
-    below = jnp.asarray((t.code_pair.reshape(-1) & 0xFF).astype(np.int32))[index]
-    threshold = jnp.asarray(t.threshold.reshape(-1))[index]
+    below = _lookup((t.code_pair.reshape(-1) & 0xFF).astype(np.int32), index)
+    threshold = _lookup(t.threshold.reshape(-1), index)
     above = jax.lax.bitcast_convert_type(mag_bits, jnp.float32) > threshold
     # Above the decision point the code moves one step away from zero.
     return (below + jnp.where(above, 1 - 2 * negative, 0)).astype(jnp.uint8)
@@ -192,7 +253,7 @@ def quantize_normalized(x: jax.Array, *, signed: bool) -> jax.Array:
 
 def dequantize_normalized(codes: jax.Array, *, signed: bool) -> jax.Array:
     """Map values (float32) of ``codes``."""
-    return jnp.asarray(_dynamic_map(signed))[codes.astype(jnp.int32)]
+    return _lookup(_dynamic_map(signed), codes.astype(jnp.int32))
 
 
 @functools.partial(
@@ -266,6 +327,44 @@ def _per_element(per_block: jax.Array, block_size: int, size: int) -> jax.Array:
 def quantize(x: jax.Array, *, signed: bool, block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizedArray:
     """Block-wise quantize ``x`` (any shape): flatten (row-major), zero-pad, cut into blocks."""
     _check_block_size(block_size)
+    sharding = _explicit_sharding(x)
+    if sharding is not None:
+        return _quantize_explicit(x, sharding, signed=signed, block_size=block_size)
+    return _quantize(x, signed=signed, block_size=block_size)
+
+
+def _quantize_explicit(
+    x: jax.Array, sharding: jax.sharding.NamedSharding, *, signed: bool, block_size: int
+) -> QuantizedArray:
+    """:func:`quantize` of an array on a mesh with Explicit axes: the same values, laid out as
+    :func:`_block_spec` says.
+
+    When every shard of the leading axis is a whole number of blocks, each device quantizes
+    its own rows (explicit reshapes, no communication). Otherwise the array is gathered
+    (replicated), quantized like an unsharded one and the codes and scales are then split
+    along their leading axis (a local slice) when :func:`_block_spec` says so.
+    """
+    size = int(np.prod(x.shape, dtype=np.int64))
+    n_blocks = num_blocks(size, block_size)
+    lead = _block_spec(sharding, n_blocks)
+    if lead is not None and size % block_size == 0:
+        # Whole blocks per shard (the leading axis divides evenly on an Explicit mesh).
+        rows = _named(sharding, lead)
+        if tuple(sharding.spec) != (lead,) + (None,) * (len(sharding.spec) - 1):
+            x = jax.sharding.reshard(x, rows)  # keep only the leading axis's split
+        flat = jnp.reshape(x, (size,), out_sharding=rows)
+        blocks = jnp.reshape(
+            flat, (n_blocks, block_size), out_sharding=_named(sharding, lead, None)
+        )
+        return quantize_blocks(blocks, signed=signed)
+    q = _quantize(jax.sharding.reshard(x, _named(sharding)), signed=signed, block_size=block_size)
+    if lead is None:
+        return q
+    codes = jax.sharding.reshard(q.codes, _named(sharding, lead, None))
+    return QuantizedArray(codes, jax.sharding.reshard(q.absmax, _named(sharding, lead)), signed)
+
+
+def _quantize(x: jax.Array, *, signed: bool, block_size: int) -> QuantizedArray:
     flat = jnp.ravel(x)
     size = flat.size
     full, rest = divmod(size, block_size)
@@ -294,8 +393,51 @@ def quantize(x: jax.Array, *, signed: bool, block_size: int = DEFAULT_BLOCK_SIZE
 
 def dequantize(q: QuantizedArray, shape: tuple[int, ...] | jax.Array) -> jax.Array:
     """Float32 array of ``shape`` (a tuple, or an array whose shape is used) from ``q``."""
+    out_sharding = None
     if not isinstance(shape, tuple | list):
+        out_sharding = _explicit_sharding(shape)
         shape = jnp.shape(shape)
+    sharding = _explicit_sharding(q.codes)
+    if sharding is not None:
+        return _dequantize_explicit(q, tuple(shape), sharding, out_sharding)
+    return _dequantize(q, shape)
+
+
+def _dequantize_explicit(
+    q: QuantizedArray,
+    shape: tuple[int, ...],
+    sharding: jax.sharding.NamedSharding,
+    out_sharding: jax.sharding.NamedSharding | None,
+) -> jax.Array:
+    """:func:`dequantize` of codes on a mesh with Explicit axes. The result has
+    ``out_sharding`` (the sharding of the array ``shape`` was taken from) if given, else its
+    leading axis split like the codes' when that divides it, else it is replicated."""
+    size = int(np.prod(shape, dtype=np.int64))
+    lead, shards = _leading_axes(sharding)
+    local = lead is not None and size == q.codes.size and len(shape) > 0 and shape[0] % shards == 0
+    if out_sharding is None:
+        out_sharding = _named(sharding, lead) if local else _named(sharding)
+    if local:
+        # Each shard of the codes holds whole rows of the result: local reshapes.
+        values = dequantize_blocks(q)
+        values = jnp.reshape(values, (size,), out_sharding=_named(sharding, lead))
+        values = jnp.reshape(values, shape, out_sharding=_named(sharding, lead))
+    else:
+        replicated = _named(sharding)
+        q = QuantizedArray(
+            jax.sharding.reshard(q.codes, replicated),
+            jax.sharding.reshard(q.absmax, replicated),
+            q.signed,
+        )
+        values = _dequantize(q, shape)
+    if _padded_spec(jax.typeof(values).sharding, values.ndim) != _padded_spec(
+        out_sharding, values.ndim
+    ):
+        values = jax.sharding.reshard(values, out_sharding)
+    return values
+
+
+def _dequantize(q: QuantizedArray, shape: tuple[int, ...]) -> jax.Array:
     size = int(np.prod(shape, dtype=np.int64))
     block_size = q.codes.shape[-1]
     if size == q.codes.size:

@@ -142,12 +142,20 @@ class BlockwiseInt8Storage:
         # Quantizing zeros (rather than building the codes from scratch) keeps the state's
         # layout, and any sharding, derived from the parameter.
         zeros = jnp.zeros_like(param, dtype=jnp.float32)
-        return quant_lib.quantize(zeros, signed=signed, block_size=self.block_size)
+        q = quant_lib.quantize(zeros, signed=signed, block_size=self.block_size)
+        # Eagerly, codes and scales go where `stored_sharding` (so `jit_init`) puts them. On
+        # an Explicit mesh quantize already does that; on an Auto mesh the compiler's choice
+        # can differ (e.g. replicated scales when the last block is padded).
+        concrete = isinstance(param, jax.Array) and not isinstance(param, jax.core.Tracer)
+        if concrete and isinstance(param.sharding, jax.sharding.NamedSharding):
+            q = jax.device_put(q, stored_sharding(q, param.sharding))
+        return q
 
     def read(self, stored: Any, like: jax.Array) -> jax.Array:
         dtype = jnp.promote_types(jnp.float32, jnp.result_type(like))
         if isinstance(stored, quant_lib.QuantizedArray):
-            return quant_lib.dequantize(stored, jnp.shape(like)).astype(dtype)
+            # The array (not just its shape): on an Explicit mesh the moment takes its sharding.
+            return quant_lib.dequantize(stored, like).astype(dtype)
         return stored.astype(dtype)
 
     def write(self, value: jax.Array, like: jax.Array, signed: bool) -> Any:
@@ -170,16 +178,11 @@ def stored_sharding(stored: Any, param_sharding: Any) -> Any:
         return param_sharding
     if not isinstance(param_sharding, jax.sharding.NamedSharding):
         return quant_lib.QuantizedArray(param_sharding, param_sharding, stored.signed)
-    mesh, spec = param_sharding.mesh, param_sharding.spec
-    lead = spec[0] if len(spec) else None
-    names = () if lead is None else (lead if isinstance(lead, tuple) else (lead,))
-    shards = int(np.prod([mesh.shape[n] for n in names], dtype=np.int64))
+    # The rule quantize itself follows on a mesh with Explicit axes.
+    lead = quant_lib._block_spec(param_sharding, stored.codes.shape[0])
     P = jax.sharding.PartitionSpec
-    if names and stored.codes.shape[0] % shards == 0:
-        codes, absmax = P(lead, None), P(lead)
-    else:
-        codes, absmax = P(), P()
-    named = lambda p: jax.sharding.NamedSharding(mesh, p)  # noqa: E731
+    codes, absmax = (P(), P()) if lead is None else (P(lead, None), P(lead))
+    named = lambda p: jax.sharding.NamedSharding(param_sharding.mesh, p)  # noqa: E731
     return quant_lib.QuantizedArray(named(codes), named(absmax), stored.signed)
 
 

@@ -429,6 +429,30 @@ SHARDING_SCRIPT = textwrap.dedent(
     np.testing.assert_array_equal(np.asarray(codes), np.asarray(ref_s[0].mu["w"].codes))
     hlo = jax.jit(step).lower(sp, ss, sg).compile().as_text()
     assert "all-gather" not in hlo and "all-to-all" not in hlo
+
+    # The same on a mesh with Explicit axes (jax.make_mesh's default), the state made by
+    # eager init and by jit_init, which both split codes and scales like the rows.
+    emesh = jax.make_mesh((8,), ("data",))
+    eshard = {"w": NamedSharding(emesh, P("data")), "b": NamedSharding(emesh, P())}
+    sp, sg = jax.device_put(params, eshard), jax.device_put(grads, eshard)
+    for ss in (tx.init(sp), sharding.jit_init(tx, sp)):
+        for q in (ss[0].mu["w"], ss[0].nu["w"]):
+            assert q.codes.sharding.spec == P("data", None), q.codes.sharding
+            assert q.absmax.sharding.spec == P("data"), q.absmax.sharding
+    p = sp
+    for _ in range(3):
+        p, ss = jax.jit(step)(p, ss, sg)
+    codes = ss[0].mu["w"].codes
+    assert codes.sharding.spec == P("data", None), codes.sharding
+    starts = sorted(s.index[0].start for s in codes.addressable_shards)
+    assert starts == list(range(0, 128, 16)), starts
+    np.testing.assert_allclose(np.asarray(p["w"]), np.asarray(ref_p["w"]), rtol=1e-6, atol=1e-7)
+    for name in ("mu", "nu"):
+        q, ref = getattr(ss[0], name)["w"], getattr(ref_s[0], name)["w"]
+        np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(ref.codes))
+        np.testing.assert_array_equal(np.asarray(q.absmax), np.asarray(ref.absmax))
+    hlo = jax.jit(step).lower(sp, ss, sg).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
     print("SHARDING_OK")
     """
 )

@@ -1,8 +1,11 @@
 """Run in its own process with 8 simulated CPU devices (see tests/test_sharding.py).
 
-For every alias x state dtype: after eager init, jitted init (``sharding.jit_init``) and a
-jitted update, every moment has its parameter's sharding, and so has every update. Prints one
-JSON object {case: [problems]}.
+For every mesh kind (Explicit axes from ``jax.make_mesh``, Auto axes from ``Mesh``) x alias x
+state dtype: after eager init, jitted init (``sharding.jit_init``) and a jitted update, every
+moment has its parameter's sharding (8-bit moments: codes and scales as
+``storage.stored_sharding`` lays them out, split along the leading axis like the parameter's
+when the blocks allow it), every update has its parameter's sharding, and state and updates
+equal those of the same steps on one device. Prints one JSON object {case: [problems]}.
 """
 
 import json
@@ -16,12 +19,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_decoupled as od  # noqa: E402
-from optax_decoupled import sharding  # noqa: E402
+from optax_decoupled import sharding, storage  # noqa: E402
 from optax_decoupled.quantization import QuantizedArray  # noqa: E402
 
 ALIASES = {
@@ -37,9 +41,12 @@ def check_moments(tx, state, params, label, problems):
     param_shardings = jax.tree.map(lambda p: p.sharding, params)
 
     def compare(sharding_of_param, leaf):
-        leaf = getattr(leaf, "codes", leaf)  # int8: codes (n_blocks, B) split like the param
-        if not leaf.sharding.is_equivalent_to(sharding_of_param, leaf.ndim):
-            problems.append(f"{label}: {leaf.shape} has {leaf.sharding}")
+        # int8: codes (n_blocks, B) and absmax (n_blocks,) split like the param's leading axis
+        # when n_blocks allows it, else replicated (storage.stored_sharding).
+        expected = storage.stored_sharding(leaf, sharding_of_param)
+        for x, sh in zip(jax.tree.leaves(leaf), jax.tree.leaves(expected), strict=True):
+            if not x.sharding.is_equivalent_to(sh, x.ndim):
+                problems.append(f"{label}: {x.shape} has {x.sharding}, expected {sh}")
         return leaf
 
     optax.tree_utils.tree_map_params(
@@ -61,32 +68,60 @@ def main(state_dtypes):
     print(json.dumps(results))
 
 
+def check_block_placement(codes, param, problems):
+    """Each device holds the blocks of its own rows of the parameter (8-bit, whole blocks)."""
+    blocks, rows = codes.shape[0] // 8, param.shape[0] // 8
+    param_rows = {s.device: s.index[0].start // rows for s in param.addressable_shards}
+    for s in codes.addressable_shards:
+        if s.index[0].start // blocks != param_rows[s.device]:
+            problems.append(f"codes {s.index} on {s.device}, its rows elsewhere")
+
+
+def same(a, b):
+    return all(
+        x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
 def run_mesh(kind, mesh, state_dtypes, results):
-    if kind == "explicit":
-        # Known limitation: eager int8 init on a mesh with Explicit axes fails in the
-        # quantizer's reshape (docs/devices.md); int8 is checked on Auto meshes.
-        state_dtypes = [sd for sd in state_dtypes if sd != "int8"]
     fsdp, rep = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P())
+    cols = NamedSharding(mesh, P(None, "fsdp"))
+    normal = lambda i, shape: jax.random.normal(jax.random.key(i), shape)  # noqa: E731
     params = {
-        "big": {"kernel": jax.device_put(jnp.ones((64, 96)), fsdp)},  # FSDP on the leading axis
-        "stack": {"kernel": jax.device_put(jnp.ones((16, 8, 8)), fsdp)},
+        # FSDP on the leading axis; int8: 24 blocks of 256, 3 whole blocks per shard.
+        "big": {"kernel": jax.device_put(normal(0, (64, 96)), fsdp)},
+        # int8: 32 blocks (the last padded), split over the shards but not along their rows.
+        "odd": {"kernel": jax.device_put(normal(1, (8, 1000)), fsdp)},
+        # Split along the second axis; int8: codes and scales replicated.
+        "cols": {"kernel": jax.device_put(normal(2, (96, 64)), cols)},
+        "stack": {"kernel": jax.device_put(jnp.ones((16, 8, 8)), fsdp)},  # int8: float32
         "bias": jax.device_put(jnp.ones((96,)), rep),  # replicated
         "A_log": jax.device_put(jnp.zeros((8,)), rep),
     }
-    grads = jax.tree.map(lambda p: p * 0.5, params)
+    grads = jax.tree.map(lambda p: p * 0.5 + 0.01, params)
+    host_params, host_grads = jax.device_get((params, grads))  # the one-device reference
     for name, make in ALIASES.items():
         for sd in state_dtypes:
             tx, problems = make(sd), []
+            ref_updates, ref_state = jax.jit(tx.update)(
+                host_grads, tx.init(host_params), host_params
+            )
             check_moments(tx, tx.init(params), params, "eager init", problems)
             state = sharding.jit_init(tx, params)
             check_moments(tx, state, params, "jit init", problems)
             updates, state = jax.jit(tx.update)(grads, state, params)
             check_moments(tx, state, params, "jit update", problems)
+            if not same(state, ref_state) or not same(updates, ref_updates):
+                problems.append("state or updates differ from the one-device step")
             for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params), strict=True):
                 if not u.sharding.is_equivalent_to(p.sharding, u.ndim):
                     problems.append(f"update {u.shape} has {u.sharding}")
             scaling = next(s for s in state if hasattr(s, "mu"))  # a direct look as well
             mu = scaling.mu["big"]["kernel"]
+            if isinstance(mu, QuantizedArray):
+                check_block_placement(mu.codes, params["big"]["kernel"], problems)
+                check_block_placement(mu.absmax, params["big"]["kernel"], problems)
             mu = getattr(mu, "codes", mu)  # int8: the (n_blocks, B) codes split like the param
             if not mu.sharding.is_equivalent_to(fsdp, 2) or mu.sharding.spec[0] != "fsdp":
                 problems.append(f"mu of big/kernel has {mu.sharding}")

@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 SCALE  ?= quick
 OUT    ?= results
 
-.PHONY: install test lint report example docs clean
+.PHONY: install test lint report example docs notebooks clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +33,15 @@ report: $(STAMP)
 example: $(STAMP)
 	$(BIN)/python examples/nnx_train_step.py
 
+# Run every notebook top to bottom at its default size and store the outputs in the .ipynb files
+# (what the docs site shows; tests/test_notebooks.py checks they are there and error-free).
+notebooks: $(STAMP)
+	env -u OPTAX_DECOUPLED_SMOKE $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+		--ExecutePreprocessor.timeout=1800 notebooks/*.ipynb
+
 # The documentation site (Sphinx + MyST-NB, docstrings via autodoc) -> build/docs/html, with
-# warnings as errors as in CI. Notebooks are rendered as committed (no outputs); NB_EXECUTE=cache
-# runs them in the build (full size; results cached in build/docs/.jupyter_cache), =force reruns.
+# warnings as errors as in CI. Notebooks are rendered with their stored outputs (`make
+# notebooks` regenerates them); NB_EXECUTE=cache or =force runs them again inside the build.
 docs: $(STAMP)
 	$(BIN)/python -c "import sphinx, myst_nb, furo" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[docs]"
 	$(BIN)/sphinx-build -W --keep-going -b html -D nb_execution_mode=$(or $(NB_EXECUTE),off) docs build/docs/html

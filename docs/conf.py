@@ -3,7 +3,8 @@
 Build (warnings are errors, as in CI)::
 
     make docs                   # sphinx-build -W --keep-going -b html docs build/docs/html
-    make docs NB_EXECUTE=cache  # also run the notebooks (cached in build/docs/.jupyter_cache)
+    make notebooks              # re-run the notebooks at default size, storing their outputs
+    make docs NB_EXECUTE=cache  # run the notebooks inside the build instead (cached)
 
 Markdown pages are MyST (``myst-nb`` also renders ``notebooks/*.ipynb`` through the
 ``docs/notebooks`` symlink); the API reference is ``autodoc`` + ``napoleon`` over the core
@@ -47,7 +48,8 @@ exclude_patterns = ["_build", "examples", "**/.ipynb_checkpoints", "Thumbs.db", 
 # --- MyST / notebooks -------------------------------------------------------------------------
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
-# Notebooks are committed without outputs; `make docs NB_EXECUTE=cache` (or force) runs them.
+# Notebooks are committed with the outputs of a default-size run (`make notebooks`); the site
+# shows those. `make docs NB_EXECUTE=cache` (or force) runs them again inside the build.
 nb_execution_mode = "off"
 nb_execution_timeout = 1800
 nb_execution_raise_on_error = True

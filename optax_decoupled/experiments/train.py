@@ -261,12 +261,14 @@ class TrainConfig:
       config_chunk: how many configurations one device computes at a time. ``None``: all of
         its configurations in one ``jax.vmap``; an int ``c``: ``jax.lax.map(..., batch_size=c)``
         -- a loop over chunks of ``c`` vmapped configurations inside the same compiled step.
-        ``"auto"`` (default): all at once on accelerators, chunks of 2 on CPU, where a wide
+        ``"auto"`` (default): all at once on accelerators, one at a time on CPU, where a wide
         vmap pushes the working set out of the L2 cache and is *slower* than a loop
         (``benchmarks/grid_vmap.py``). Results do not depend on it beyond float rounding.
-      shard_configs: split the ``K`` configurations over the local devices (a 1-D mesh,
-        ``jax.shard_map``), using the largest device count that divides ``K``. On a CPU host
-        this uses several cores only if XLA exposes several CPU devices
+      shard_configs: split the ``K`` configurations over ``min(K, local devices)`` devices
+        (a 1-D mesh, ``jax.shard_map``); when that count does not divide ``K`` the grid is
+        padded with copies of its last configuration, which are dropped from every result
+        (:func:`config_mesh`). On a CPU host this uses several cores only if XLA exposes
+        several CPU devices
         (:func:`~optax_decoupled.experiments.xla_setup.configure_cpu`, called by the CLI, the
         report and the notebooks).
     """
@@ -541,7 +543,7 @@ def _as_make_tx(tx: MakeTx | optax.GradientTransformation) -> MakeTx:
 
 
 #: Configurations per vmapped chunk on CPU for ``TrainConfig(config_chunk="auto")``.
-CPU_CONFIG_CHUNK = 2
+CPU_CONFIG_CHUNK = 1
 
 CONFIG_AXIS = "configs"
 

@@ -3,7 +3,7 @@ r"""The comparison: coupled L2 vs AdamW (two conventions) vs AMSGrad vs Lion on 
 Protocol (the same for every optimizer; written into the report):
 
 1. **Selection.** For each optimizer, a learning-rate × weight-decay × seeds grid
-   (``eval_seeds``) trains as one vmapped program on sequential digits; the cell with the
+   (``eval_seeds``) trains as one compiled program on sequential digits; the cell with the
    lowest final *validation* loss, averaged over the seeds, is chosen. Lion's grid is centred
    per its paper: learning rates ``lion_lr_factor`` (default 1/5) times AdamW's, weight
    decays ``lion_wd_factor`` (default 5) times. Weight-decay grids are per convention, since
@@ -217,7 +217,7 @@ def _mean_std(values: Sequence[float]) -> dict[str, float]:
 def select_and_evaluate(
     spec: OptimizerSpec, task: tasks_lib.Task, cfg: CompareConfig, *, progress: bool = True
 ) -> dict[str, Any]:
-    """Steps 1, 2 and 4 as one vmapped program: the lr × wd × seeds grid, the choice by mean
+    """Steps 1, 2 and 4 as one compiled program: the lr × wd × seeds grid, the choice by mean
     final validation loss over seeds, the chosen cell's test metrics, and its diagnostics."""
     seeds = list(cfg.eval_seeds)
     hp, seed_arr = train_lib.product_grid(
@@ -417,7 +417,7 @@ def protocol_text(doc: dict[str, Any]) -> str:
         f"Model: Mamba-2-style SSM, d_model {c['d_model']}, {c['n_layers']} layers; "
         f"{c['steps']} steps, batch {c['batch_size']}, warmup {c['warmup_steps']} + cosine, "
         f"global-norm clipping {c['clip_norm']}. Protocol: each optimizer's peak learning rate "
-        f"and weight decay are chosen from its grid × seeds {c['eval_seeds']} (one vmapped "
+        f"and weight decay are chosen from its grid × seeds {c['eval_seeds']} (one compiled "
         "program per optimizer) by the lowest final **validation** loss averaged over seeds; "
         "the chosen cell's runs are then scored once on the **test** split, which played no "
         "part in the choice (mean ± std over seeds). Lion's grid is "

@@ -1,7 +1,8 @@
 r"""Learning-rate × weight-decay grids on the SSM (Loshchilov & Hutter 2019, Fig. 2).
 
 For each optimizer a log grid of peak learning rates × weight decays, with several seeds,
-trains as **one** vmapped program (hyperparameters are traced arrays inside the step). The
+trains as **one** compiled program (:func:`~optax_decoupled.experiments.train.train_grid`;
+hyperparameters are traced arrays inside the step). The
 final validation loss and test accuracy are kept per cell and seed.
 
 The paper's claim is that decoupling makes the two hyperparameters *separable*: with coupled
@@ -114,7 +115,7 @@ def analyse(
 def run_grid(
     cfg: GridConfig, *, progress: bool = True, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
-    """Trains every optimizer's grid (one vmapped program each); a JSON-ready dict."""
+    """Trains every optimizer's grid (one compiled program each); a JSON-ready dict."""
     t0 = time.perf_counter()
     task = tasks_lib.sequential_digits(batch_size=cfg.batch_size)
     model_config = compare.CompareConfig(

@@ -724,7 +724,11 @@ def train_grid(
     desc: str | None = None,
     param_metrics: Callable[[PyTree], Mapping[str, jax.Array]] | None = None,
 ) -> GridResult:
-    """Train ``K`` configurations of one model on one task as a single vmapped program.
+    """Train ``K`` configurations of one model on one task as a single compiled program.
+
+    The step maps one configuration's step over the K axis -- vmapped, in ``lax.map`` chunks
+    and split over the local devices as ``config.config_chunk`` and ``config.shard_configs``
+    say (:class:`TrainConfig`).
 
     Args:
       task: a :class:`~optax_decoupled.experiments.tasks.Task`.

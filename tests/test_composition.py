@@ -11,6 +11,11 @@ from absl.testing import parameterized
 
 import optax_decoupled as od
 
+try:
+    from tests import wrapper_checks
+except ImportError:  # tests/ itself is on sys.path (pytest's rootdir-less "prepend" import)
+    import wrapper_checks
+
 SCHED = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 30)
 
 # Each factory takes (learning_rate, weight_decay) so the same code injects both.
@@ -142,18 +147,11 @@ class WrapperTest(chex.TestCase):
         k = 3
         inner = FACTORIES[name](SCHED, 0.05)
         multi = optax.MultiSteps(FACTORIES[name](SCHED, 0.05), every_k_schedule=k)
-        params = make_params()
-        pm, sm = params, multi.init(params)
-        pi, si = params, inner.init(params)
-        update_multi = self.variant(multi.update)
-        for big in range(2):
-            micro = [grads_at(big * k + j, pi) for j in range(k)]
-            for g in micro:
-                u, sm = update_multi(g, sm, pm)
-                pm = optax.apply_updates(pm, u)
-            mean = jax.tree.map(lambda *gs: sum(gs) / k, *micro)
-            u, si = inner.update(mean, si, pi)
-            pi = optax.apply_updates(pi, u)
+        rounds = wrapper_checks.multi_steps_vs_averaged_gradients(
+            multi, inner, make_params(), grads_at, every_k=k,
+            update_multi=self.variant(multi.update),
+        )  # fmt: skip
+        for pm, pi in rounds:
             chex.assert_trees_all_close(pm, pi, rtol=2e-5, atol=1e-6)
 
     @chex.variants(with_jit=True, without_jit=True)

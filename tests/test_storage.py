@@ -20,6 +20,11 @@ import optax_decoupled as od
 from optax_decoupled import quantization as Q
 from optax_decoupled import storage as S
 
+try:
+    from tests import wrapper_checks
+except ImportError:  # tests/ itself is on sys.path (pytest's rootdir-less "prepend" import)
+    import wrapper_checks
+
 TINY = S.BlockwiseInt8Storage(block_size=64, min_size=0)
 
 FACTORIES = {
@@ -306,18 +311,10 @@ def test_multi_steps_equals_averaged_gradients(name):
     k = 3
     multi = optax.MultiSteps(FACTORIES[name](1e-2, 0.1, TINY), every_k_schedule=k)
     inner = FACTORIES[name](1e-2, 0.1, TINY)
-    params = make_params()
-    pm, sm = params, multi.init(params)
-    pi, si = params, inner.init(params)
-    update_multi = jax.jit(multi.update)
-    for big in range(2):
-        micro = [grads_at(big * k + j, pi) for j in range(k)]
-        for g in micro:
-            u, sm = update_multi(g, sm, pm)
-            pm = optax.apply_updates(pm, u)
-        mean = jax.tree.map(lambda *gs: sum(gs) / k, *micro)
-        u, si = inner.update(mean, si, pi)
-        pi = optax.apply_updates(pi, u)
+    rounds = wrapper_checks.multi_steps_vs_averaged_gradients(
+        multi, inner, make_params(), grads_at, every_k=k, update_multi=jax.jit(multi.update)
+    )
+    for pm, pi in rounds:
         # A one-ulp difference in the averaged gradient can move a code by one step.
         chex.assert_trees_all_close(pm, pi, rtol=1e-4, atol=1e-5)
 

@@ -39,6 +39,7 @@ import optax
 
 import optax_decoupled as od
 from optax_decoupled import diagnostics
+from optax_decoupled.experiments import report
 from optax_decoupled.experiments import tasks as tasks_lib
 from optax_decoupled.experiments import train as train_lib
 from optax_decoupled.experiments.ssm import SSMConfig
@@ -467,13 +468,5 @@ def summary_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser):
-    from optax_decoupled.experiments import report
-
-    return report.add_part_arguments(parser, "compare")
-
-
-def run_cli(args) -> int:
-    from optax_decoupled.experiments import report
-
-    return report.run_part_cli("compare", args, summary_table)
+#: The ``optax-decoupled compare`` subcommand (options and entry point, shared with the report).
+add_arguments, run_cli = report.part_subcommand("compare", summary_table)

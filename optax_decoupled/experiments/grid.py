@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from optax_decoupled.experiments import compare
+from optax_decoupled.experiments import compare, report
 from optax_decoupled.experiments import tasks as tasks_lib
 from optax_decoupled.experiments import train as train_lib
 
@@ -182,13 +182,5 @@ def summary_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser):
-    from optax_decoupled.experiments import report
-
-    return report.add_part_arguments(parser, "grid")
-
-
-def run_cli(args) -> int:
-    from optax_decoupled.experiments import report
-
-    return report.run_part_cli("grid", args, summary_table)
+#: The ``optax-decoupled grid`` subcommand (options and entry point, shared with the report).
+add_arguments, run_cli = report.part_subcommand("grid", summary_table)

@@ -31,6 +31,7 @@ import optax
 import optax_decoupled as od
 from optax_decoupled import memory
 from optax_decoupled import storage as storage_lib
+from optax_decoupled.experiments import report
 
 STATE_DTYPES = ("float32", "bfloat16", "int8")
 
@@ -518,13 +519,5 @@ def markdown(doc: dict[str, Any], rel: str = "memory") -> str:
     )
 
 
-def add_arguments(parser):
-    from optax_decoupled.experiments import report
-
-    return report.add_part_arguments(parser, "memory")
-
-
-def run_cli(args) -> int:
-    from optax_decoupled.experiments import report
-
-    return report.run_part_cli("memory", args, markdown)
+#: The ``optax-decoupled memory`` subcommand (options and entry point, shared with the report).
+add_arguments, run_cli = report.part_subcommand("memory", markdown)

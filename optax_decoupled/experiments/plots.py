@@ -19,6 +19,7 @@ they can be redrawn from a saved file without rerunning anything::
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -111,8 +112,21 @@ def _panel_grid(n: int, height: float = 3.8) -> tuple[Figure, np.ndarray]:
     return new_figure(int(np.ceil(n / ncols)), ncols, width=6.0, height=height)
 
 
-def reddi_trajectories_figure(doc: dict[str, Any], schedule: str = "sqrt") -> Figure:
-    """:math:`x_t` against :math:`t` (log axis), one panel per problem (seed 0)."""
+def _per_problem_figure(
+    doc: dict[str, Any],
+    schedule: str,
+    series: Callable[[dict[str, Any], int], np.ndarray],
+    *,
+    ylabel: str,
+    log_y: bool,
+    legend_loc: str,
+    suptitle: str,
+    ylim: tuple[float, float] | None = None,
+    optimum_line: bool = False,
+) -> Figure:
+    """One panel per problem of ``doc``: ``series(comp, i)`` against the recorded steps ``t``
+    (log axis) for every run ``i`` with this step-size ``schedule``; unused panels hidden.
+    ``optimum_line`` draws the optimum :math:`x^\\star = -1`."""
     comps = doc["comparisons"]
     fig, axes = _panel_grid(len(comps))
     for ax, comp in zip(axes.flat, comps.values(), strict=False):
@@ -120,19 +134,35 @@ def reddi_trajectories_figure(doc: dict[str, Any], schedule: str = "sqrt") -> Fi
         t = np.asarray(comp["record_t"], float)
         for i in idx:
             r = comp["runs"][i]
-            ax.plot(t, comp["x"][i], label=r["label"], **style_for(r["optimizer"]))
+            ax.plot(t, series(comp, i), label=r["label"], **style_for(r["optimizer"]))
         ax.set_xscale("log")
-        ax.set_ylim(-1.08, 1.08)
-        ax.axhline(-1.0, color="k", lw=0.8, alpha=0.5)
-        finish_axes(ax, _panel_title(comp, idx), "step t", "x after t steps")
+        if log_y:
+            ax.set_yscale("log")
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        if optimum_line:  # x* = -1
+            ax.axhline(-1.0, color="k", lw=0.8, alpha=0.5)
+        finish_axes(ax, _panel_title(comp, idx), "step t", ylabel)
     for ax in list(axes.flat)[len(comps) :]:
         ax.set_visible(False)
-    axes.flat[0].legend(fontsize=FONT_SIZE - 2, loc="best")
-    fig.suptitle(
-        f"Iterates on F = [-1, 1] (optimum x* = -1), step size {_schedule_text(schedule)}",
-        fontsize=FONT_SIZE + 1,
-    )
+    axes.flat[0].legend(fontsize=FONT_SIZE - 2, loc=legend_loc)
+    fig.suptitle(suptitle, fontsize=FONT_SIZE + 1)
     return fig
+
+
+def reddi_trajectories_figure(doc: dict[str, Any], schedule: str = "sqrt") -> Figure:
+    """:math:`x_t` against :math:`t` (log axis), one panel per problem (seed 0)."""
+    return _per_problem_figure(
+        doc,
+        schedule,
+        lambda comp, i: comp["x"][i],
+        ylabel="x after t steps",
+        log_y=False,
+        legend_loc="best",
+        suptitle=f"Iterates on F = [-1, 1] (optimum x* = -1), step size {_schedule_text(schedule)}",
+        ylim=(-1.08, 1.08),
+        optimum_line=True,
+    )
 
 
 def reddi_regret_figure(doc: dict[str, Any], schedule: str = "sqrt") -> Figure:
@@ -141,28 +171,21 @@ def reddi_regret_figure(doc: dict[str, Any], schedule: str = "sqrt") -> Figure:
     Non-positive values (possible on the stochastic problems early on, where the regret is taken
     against :math:`x^\star = -1` with the realised losses) are not drawn.
     """
-    comps = doc["comparisons"]
-    fig, axes = _panel_grid(len(comps))
-    for ax, comp in zip(axes.flat, comps.values(), strict=False):
-        idx = _runs_for(comp, schedule)
-        t = np.asarray(comp["record_t"], float)
-        for i in idx:
-            r = comp["runs"][i]
-            y = np.asarray(comp["avg_regret_t"][i], float)
-            y = np.where(y > 0, y, np.nan)
-            ax.plot(t, y, label=r["label"], **style_for(r["optimizer"]))
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        finish_axes(ax, _panel_title(comp, idx), "step t", "average regret R_t / t")
-    for ax in list(axes.flat)[len(comps) :]:
-        ax.set_visible(False)
-    axes.flat[0].legend(fontsize=FONT_SIZE - 2, loc="lower left")
-    fig.suptitle(
-        "Average regret against x* = -1 (→ 0 for a no-regret method), step size "
+
+    def positive_regret(comp: dict[str, Any], i: int) -> np.ndarray:
+        y = np.asarray(comp["avg_regret_t"][i], float)
+        return np.where(y > 0, y, np.nan)
+
+    return _per_problem_figure(
+        doc,
+        schedule,
+        positive_regret,
+        ylabel="average regret R_t / t",
+        log_y=True,
+        legend_loc="lower left",
+        suptitle="Average regret against x* = -1 (→ 0 for a no-regret method), step size "
         f"{_schedule_text(schedule)}",
-        fontsize=FONT_SIZE + 1,
     )
-    return fig
 
 
 def phase_diagram_panel(ax, d: dict[str, Any], *, title: str = "", value: str = "x_final"):

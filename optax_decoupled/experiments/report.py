@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from optax_decoupled.experiments import xla_setup
+
 SCALES = ("smoke", "quick", "full")
 PARTS = ("reddi", "compare", "grid", "memory")
 
@@ -74,16 +76,14 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-def _configure_cpu() -> None:
-    """XLA:CPU flags (fast Reddi loops, one CPU device per core); must precede any JAX work."""
-    from optax_decoupled.experiments import xla_setup
-
-    xla_setup.configure_cpu()
-
-
 # ---------------------------------------------------------------------------------------------
 # The parts: each runs at a scale into a directory and returns (doc, markdown section).
 # ---------------------------------------------------------------------------------------------
+
+
+def _figure_links(doc: dict[str, Any], rel: str) -> str:
+    """Markdown image links, relative to the report, of the figures a part wrote."""
+    return "\n".join(f"![{f}]({rel}/{os.path.basename(f)})" for f in doc.get("figures", []))
 
 
 def _run_reddi(scale: str, out: pathlib.Path, progress: bool) -> dict[str, Any]:
@@ -98,7 +98,7 @@ def _run_reddi(scale: str, out: pathlib.Path, progress: bool) -> dict[str, Any]:
 def _section_reddi(doc: dict[str, Any], rel: str) -> str:
     from optax_decoupled.experiments import reddi
 
-    figures = "\n".join(f"![{f}]({rel}/{os.path.basename(f)})" for f in doc.get("figures", []))
+    figures = _figure_links(doc, rel)
     return (
         "## Reddi et al. counterexamples: Adam vs AMSGrad\n\n"
         "Linear losses on [-1, 1], optimum x* = -1 (Reddi, Kale & Kumar, ICLR 2018). Final point "
@@ -118,7 +118,7 @@ def _run_compare(scale: str, out: pathlib.Path, progress: bool) -> dict[str, Any
 def _section_compare(doc: dict[str, Any], rel: str) -> str:
     from optax_decoupled.experiments import compare
 
-    figures = "\n".join(f"![{f}]({rel}/{os.path.basename(f)})" for f in doc.get("figures", []))
+    figures = _figure_links(doc, rel)
     return (
         "## Coupled L2 vs AdamW vs AMSGrad vs Lion on the Flax SSM\n\n"
         f"{compare.protocol_text(doc)}\n\n{compare.summary_table(doc)}\n\n{figures}\n"
@@ -136,7 +136,7 @@ def _run_grid(scale: str, out: pathlib.Path, progress: bool) -> dict[str, Any]:
 def _section_grid(doc: dict[str, Any], rel: str) -> str:
     from optax_decoupled.experiments import grid
 
-    figures = "\n".join(f"![{f}]({rel}/{os.path.basename(f)})" for f in doc.get("figures", []))
+    figures = _figure_links(doc, rel)
     return (
         "## Learning rate × weight decay (Loshchilov & Hutter 2019, Fig. 2)\n\n"
         f"{grid.summary_table(doc)}\n\n{figures}\n"
@@ -207,7 +207,7 @@ def run_report(
         raise ValueError(f"unknown parts {unknown}; choose from {list(RUNNERS)}.")
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    _configure_cpu()
+    xla_setup.configure_cpu()  # before any JAX work: fast loops, a CPU device per core
     sections, walls = [], {}
     t0 = time.perf_counter()
     for part in parts:
@@ -253,11 +253,26 @@ def add_part_arguments(parser: argparse.ArgumentParser, part: str) -> argparse.A
 
 def run_part_cli(part: str, args: argparse.Namespace, summary: Callable[[dict], str]) -> int:
     """Runs one part (always afresh) for a subcommand and prints its summary."""
-    _configure_cpu()
+    xla_setup.configure_cpu()  # before any JAX work: fast loops, a CPU device per core
     doc, wall, _ = run_part(part, args.scale, args.out, force=True, progress=not args.no_progress)
     print(summary(doc))
     print(f"\n{wall:.1f} s; results in {args.out}")
     return 0
+
+
+def part_subcommand(
+    part: str, summary: Callable[[dict], str]
+) -> tuple[Callable[[argparse.ArgumentParser], argparse.ArgumentParser], Callable[..., int]]:
+    """``(add_arguments, run_cli)`` of the single-part subcommand ``part`` (what
+    :mod:`optax_decoupled.cli` calls), printing ``summary(results)`` at the end."""
+
+    def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        return add_part_arguments(parser, part)
+
+    def run_cli(args: argparse.Namespace) -> int:
+        return run_part_cli(part, args, summary)
+
+    return add_arguments, run_cli
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

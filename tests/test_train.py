@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 
+import optax_decoupled as od
 from optax_decoupled.experiments import ssm, tasks
 from optax_decoupled.experiments import train as train_lib
 
@@ -274,10 +275,6 @@ def test_optax_decoupled_adamw_plugs_in(task, model_config):
     """optax_decoupled.adamw(mask="auto") trains in the grid, and its mask on the SSM's
     parameters is the one written out by hand: decay only the >= 2-D kernels, never A_log, D,
     dt_bias, norm scales, biases or the embedding."""
-    od = pytest.importorskip("optax_decoupled")
-    if not hasattr(od, "adamw"):
-        pytest.skip("optax_decoupled.adamw is not available yet")
-
     _, params, _ = train_lib.init_model(model_config, 0)
     by_hand = jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", params)
     assert od.masks.resolve_mask("auto", params) == by_hand

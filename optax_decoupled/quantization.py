@@ -391,6 +391,141 @@ def _quantize(x: jax.Array, *, signed: bool, block_size: int) -> QuantizedArray:
     return QuantizedArray(codes, absmax, signed)
 
 
+#: Elements per step of :func:`requantize`'s loop on CPU (512 blocks of 256): the chunk's
+#: float32 temporaries (512 kB each) stay in a core's L2 cache.
+CHUNK_ELEMENTS = 2**17
+
+
+def requantize(
+    fn: Any,
+    stored: tuple[QuantizedArray, ...],
+    operands: tuple[jax.Array, ...],
+    *,
+    shape: tuple[int, ...],
+    signed: tuple[bool, ...],
+    dtype: Any = jnp.float32,
+    chunk_elements: int | None = None,
+) -> tuple[QuantizedArray, ...]:
+    r"""``quantize(v_k, signed=signed[k])`` for ``v = fn(*dequantize(stored), *operands)``.
+
+    The fused read-modify-write of quantized moments: ``fn`` is *element-wise* and gets the
+    dequantized ``stored`` arrays (as ``dtype``, in the block layout) followed by the
+    ``operands`` (arrays of ``shape``, e.g. the gradient), and returns a tuple of new values,
+    one per ``signed`` entry. All ``stored`` arrays share the block layout of ``shape``.
+
+    The result is that of dequantizing, calling ``fn`` on whole arrays and quantizing, up
+    to float rounding: the two are different XLA programs, which may round ``fn`` differently
+    by one ulp (e.g. by contracting a multiply-add), so an element at a rounding boundary can
+    get the neighbouring code (``tests/test_requantize.py`` bounds this). How it is computed
+    depends on the platform (:func:`jax.lax.platform_dependent`):
+
+    * **CPU**: a loop over chunks of ``chunk_elements`` (default :data:`CHUNK_ELEMENTS`)
+      whole blocks. Each chunk is decoded, updated, reduced to its blocks' absmax and encoded
+      while it is in cache, so no float32 array of the parameter's size is ever written. On
+      one big array this is what makes 8-bit state cost about 2x float32 instead of 7-10x
+      (``benchmarks/state_memory.py``): XLA:CPU would otherwise materialise the decoded and
+      the new moments (several parameter-sized temporaries) because the block max and the
+      encoder both need them.
+    * **Other platforms** (GPU, TPU): the whole-array computation, which XLA fuses into a
+      few parallel kernels.
+
+    The last block of a size that is not a multiple of :math:`B` is handled apart from the
+    loop (its padding is zero, as in :func:`quantize`).
+    """
+    size = int(np.prod(shape, dtype=np.int64))
+    block_size = stored[0].block_size
+    if any(
+        q.block_size != block_size or q.codes.shape[-2:] != stored[0].codes.shape[-2:]
+        for q in stored
+    ):
+        raise ValueError("`stored` arrays must share one block layout.")
+    chunk = max(1, int(chunk_elements or CHUNK_ELEMENTS) // block_size)
+    full = size // block_size
+
+    def whole(*args):
+        qs, ops = args[: len(stored)], args[len(stored) :]
+        values = fn(*(_dequantize(q, shape).astype(dtype) for q in qs), *ops)
+        return tuple(
+            _quantize(v, signed=s, block_size=block_size)
+            for v, s in zip(values, signed, strict=True)
+        )
+
+    if full <= chunk:  # one chunk: nothing to loop over
+        return whole(*stored, *operands)
+
+    def chunked(*args):
+        qs, ops = args[: len(stored)], args[len(stored) :]
+        return _requantize_chunked(fn, qs, ops, size, signed, dtype, chunk)
+
+    return jax.lax.platform_dependent(*stored, *operands, cpu=chunked, default=whole)
+
+
+def _requantize_chunked(fn, qs, ops, size, signed, dtype, chunk):
+    """:func:`requantize` as a loop over ``chunk`` whole blocks at a time (then the tail)."""
+    block_size = qs[0].block_size
+    n_blocks = qs[0].codes.shape[0]
+    full, rest = divmod(size, block_size)
+    flat_ops = [jnp.ravel(o) for o in ops]
+
+    def apply(rows, values_of_ops, mask=None):
+        decoded = [
+            dequantize_blocks(QuantizedArray(c, a, q.signed)).astype(dtype)
+            for (c, a), q in zip(rows, qs, strict=True)
+        ]
+        values = fn(*decoded, *values_of_ops)
+        if mask is not None:  # the padded tail of the last block is zero, as in quantize
+            values = [jnp.where(mask, v, 0) for v in values]
+        return [quantize_blocks(v, signed=s) for v, s in zip(values, signed, strict=True)]
+
+    def body(i, outs):
+        # The last chunk is moved back to end at the last full block; the blocks it repeats
+        # are computed again from the same (old) inputs, so rewriting them changes nothing.
+        start = jnp.minimum(i * chunk, full - chunk)
+        rows = [
+            (
+                jax.lax.dynamic_slice_in_dim(q.codes, start, chunk),
+                jax.lax.dynamic_slice_in_dim(q.absmax, start, chunk),
+            )
+            for q in qs
+        ]
+        op_rows = [
+            jax.lax.dynamic_slice_in_dim(o, start * block_size, chunk * block_size).reshape(
+                chunk, block_size
+            )
+            for o in flat_ops
+        ]
+        new = apply(rows, op_rows)
+        return [
+            (
+                jax.lax.dynamic_update_slice_in_dim(codes, q.codes, start, 0),
+                jax.lax.dynamic_update_slice_in_dim(absmax, q.absmax, start, 0),
+            )
+            for (codes, absmax), q in zip(outs, new, strict=True)
+        ]
+
+    init = [
+        (jnp.zeros((n_blocks, block_size), jnp.uint8), jnp.zeros((n_blocks,), jnp.float32))
+        for _ in signed
+    ]
+    outs = jax.lax.fori_loop(0, -(-full // chunk), body, init)
+    if rest:
+        rows = [(q.codes[full:], q.absmax[full:]) for q in qs]
+        op_rows = [
+            jnp.pad(o[full * block_size :], (0, block_size - rest)).reshape(1, block_size)
+            for o in flat_ops
+        ]
+        mask = jnp.arange(block_size) < rest
+        new = apply(rows, op_rows, mask)
+        outs = [
+            (
+                jax.lax.dynamic_update_slice_in_dim(codes, q.codes, full, 0),
+                jax.lax.dynamic_update_slice_in_dim(absmax, q.absmax, full, 0),
+            )
+            for (codes, absmax), q in zip(outs, new, strict=True)
+        ]
+    return tuple(QuantizedArray(c, a, s) for (c, a), s in zip(outs, signed, strict=True))
+
+
 def dequantize(q: QuantizedArray, shape: tuple[int, ...] | jax.Array) -> jax.Array:
     """Float32 array of ``shape`` (a tuple, or an array whose shape is used) from ``q``."""
     out_sharding = None

@@ -7,6 +7,9 @@ Every moment (Adam's :math:`\\mu`, :math:`\\nu`, AMSGrad's :math:`\\nu_{\\max}`,
 * ``read(stored, like)`` returns the moment as an array in the *compute* dtype;
 * ``write(value, like, signed)`` encodes an updated moment for storage.
 
+A storage may also have ``update(fn, stored, operands, like, signed)``, a fused
+read-modify-write that :func:`update_moments` uses when it exists (8-bit storage does).
+
 ``signed`` says whether the moment can be negative (:math:`\\mu`) or not (:math:`\\nu`), which
 matters to quantized storage. The update itself is always computed in the compute dtype
 (``promote_types(storage dtype, parameter dtype)``), so low-precision storage changes only what
@@ -71,6 +74,38 @@ class MomentStorage(Protocol):
     def read(self, stored: Any, like: jax.Array) -> jax.Array: ...
 
     def write(self, value: jax.Array, like: jax.Array, signed: bool) -> Any: ...
+
+
+def update_moments(
+    store: MomentStorage,
+    fn: Any,
+    stored: tuple[Any, ...],
+    operands: tuple[jax.Array, ...],
+    *,
+    like: jax.Array,
+    signed: tuple[bool, ...],
+) -> tuple[Any, ...]:
+    """The new stored moments ``write(v_k)`` for ``v = fn(*read(stored), *operands)``.
+
+    ``fn`` must be element-wise (each output element depends only on the same element of the
+    inputs), as every moment update is. A storage may then compute this in its own way: one
+    with an ``update(fn, stored, operands, like, signed)`` method does (8-bit storage
+    requantizes chunk by chunk on CPU, :func:`optax_decoupled.quantization.requantize`);
+    for any other the result is exactly the read-compute-write above, which XLA fuses.
+
+    Transforms compute their output from ``read(stored)`` separately: XLA fuses that into
+    the rest of the step (e.g. the parameter update), and for float storage it is the same
+    expression (computed once).
+    """
+    update = getattr(store, "update", None)
+    if update is not None:
+        return update(fn, stored, operands, like, signed)
+    return _read_compute_write(store, fn, stored, operands, like, signed)
+
+
+def _read_compute_write(store, fn, stored, operands, like, signed):
+    values = fn(*(store.read(s, like) for s in stored), *operands)
+    return tuple(store.write(v, like, signed=sg) for v, sg in zip(values, signed, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +197,29 @@ class BlockwiseInt8Storage:
         if not self.quantizes(like):
             return value.astype(jnp.float32)
         return quant_lib.quantize(value, signed=signed, block_size=self.block_size)
+
+    def update(
+        self,
+        fn: Any,
+        stored: tuple[Any, ...],
+        operands: tuple[jax.Array, ...],
+        like: jax.Array,
+        signed: tuple[bool, ...],
+    ) -> tuple[Any, ...]:
+        """:func:`update_moments` for 8-bit moments.
+
+        Quantized moments go through :func:`optax_decoupled.quantization.requantize`
+        (chunked on CPU). Float32 moments of small parameters, and moments on a mesh with
+        Explicit axes (whose layout :func:`optax_decoupled.quantization.quantize` arranges),
+        take the plain read-compute-write.
+        """
+        quantized = all(isinstance(s, quant_lib.QuantizedArray) for s in stored)
+        if not quantized or quant_lib._explicit_sharding(like) is not None:
+            return _read_compute_write(self, fn, stored, operands, like, signed)
+        dtype = jnp.promote_types(jnp.float32, jnp.result_type(like))
+        return quant_lib.requantize(
+            fn, tuple(stored), tuple(operands), shape=jnp.shape(like), signed=signed, dtype=dtype
+        )
 
 
 def stored_sharding(stored: Any, param_sharding: Any) -> Any:

@@ -379,27 +379,37 @@ def scale_by_adam(
 
         _check_shapes(updates, state.mu, "scale_by_adam", "first moment")
 
-        def leaf(g, mu_s, nu_s, nu_max_s=None):
-            g = jnp.asarray(g)
-            mu = store.read(mu_s, g)
-            nu = store.read(nu_s, g)
+        def moments(mu, nu, *rest):
+            # Element-wise: (mu, nu[, nu_max]) at t-1 and g -> the same at t.
+            *nu_max, g = rest
             gc = g.astype(mu.dtype)
             mu = (1 - b1) * gc + b1 * mu
             nu = (1 - b2) * (gc * gc) + b2 * nu
             if amsgrad is None:
+                return mu, nu
+            seen = nu / bc2.astype(nu.dtype) if amsgrad == "optax" else nu
+            return mu, nu, jnp.maximum(nu_max[0], seen)
+
+        def leaf(g, mu_s, nu_s, nu_max_s=None):
+            g = jnp.asarray(g)
+            stored = (mu_s, nu_s) if amsgrad is None else (mu_s, nu_s, nu_max_s)
+            new = moments(*(store.read(s, g) for s in stored), g)
+            mu, nu = new[:2]
+            if amsgrad is None:
                 denom_sq = nu / bc2.astype(nu.dtype)
-            elif amsgrad == "optax":
-                nu_max = jnp.maximum(store.read(nu_max_s, g), nu / bc2.astype(nu.dtype))
-                denom_sq = nu_max
-            else:  # "pytorch" and "paper": max of the raw second moment
-                nu_max = jnp.maximum(store.read(nu_max_s, g), nu)
-                denom_sq = nu_max if amsgrad == "paper" else nu_max / bc2.astype(nu.dtype)
+            elif amsgrad == "pytorch":
+                denom_sq = new[2] / bc2.astype(nu.dtype)
+            else:  # "optax" keeps the max of the bias-corrected nu, "paper" of the raw nu
+                denom_sq = new[2]
             numer = mu if amsgrad == "paper" else mu / bc1.astype(mu.dtype)
             u = (numer / (jnp.sqrt(denom_sq + eps_root) + eps)).astype(g.dtype)
-            out = (u, store.write(mu, g, signed=True), store.write(nu, g, signed=False))
-            if amsgrad is not None:
-                out += (store.write(nu_max, g, signed=False),)
-            return out
+            signed = (True, False, False)[: len(stored)]
+            # The stored moments are written by the storage, which may fuse this
+            # read-modify-write (8-bit storage does, chunk by chunk on CPU).
+            written = storage_lib.update_moments(
+                store, moments, stored, (g,), like=g, signed=signed
+            )
+            return (u, *written)
 
         trees = (updates, state.mu, state.nu)
         if amsgrad is not None:
@@ -461,13 +471,17 @@ def scale_by_lion(
 
         _check_shapes(updates, state.mu, "scale_by_lion", "momentum")
 
+        def momentum(mu, g):
+            return ((1 - b2) * g.astype(mu.dtype) + b2 * mu,)
+
         def leaf(g, mu_s):
             g = jnp.asarray(g)
             mu = store.read(mu_s, g)
-            gc = g.astype(mu.dtype)
-            u = jnp.sign((1 - b1) * gc + b1 * mu).astype(g.dtype)
-            mu = (1 - b2) * gc + b2 * mu
-            return u, store.write(mu, g, signed=True)
+            u = jnp.sign((1 - b1) * g.astype(mu.dtype) + b1 * mu).astype(g.dtype)
+            (written,) = storage_lib.update_moments(
+                store, momentum, (mu_s,), (g,), like=g, signed=(True,)
+            )
+            return u, written
 
         u, mu = _map_unzip(leaf, updates, state.mu)
         return u, ScaleByLionState(count=optax.safe_increment(state.count), mu=mu)

@@ -434,10 +434,7 @@ def requantize(
     """
     size = int(np.prod(shape, dtype=np.int64))
     block_size = stored[0].block_size
-    if any(
-        q.block_size != block_size or q.codes.shape[-2:] != stored[0].codes.shape[-2:]
-        for q in stored
-    ):
+    if any(q.codes.shape[-2:] != stored[0].codes.shape[-2:] for q in stored):
         raise ValueError("`stored` arrays must share one block layout.")
     chunk = max(1, int(chunk_elements or CHUNK_ELEMENTS) // block_size)
     full = size // block_size
@@ -460,6 +457,24 @@ def requantize(
     return jax.lax.platform_dependent(*stored, *operands, cpu=chunked, default=whole)
 
 
+def _block_rows(q: QuantizedArray, start: Any, count: int) -> QuantizedArray:
+    """Blocks ``[start, start + count)`` of ``q`` (``start`` may be traced)."""
+    return QuantizedArray(
+        jax.lax.dynamic_slice_in_dim(q.codes, start, count),
+        jax.lax.dynamic_slice_in_dim(q.absmax, start, count),
+        q.signed,
+    )
+
+
+def _put_block_rows(q: QuantizedArray, rows: QuantizedArray, start: Any) -> QuantizedArray:
+    """``q`` with its blocks from ``start`` on replaced by ``rows``."""
+    return QuantizedArray(
+        jax.lax.dynamic_update_slice_in_dim(q.codes, rows.codes, start, 0),
+        jax.lax.dynamic_update_slice_in_dim(q.absmax, rows.absmax, start, 0),
+        q.signed,
+    )
+
+
 def _requantize_chunked(fn, qs, ops, size, signed, dtype, chunk):
     """:func:`requantize` as a loop over ``chunk`` whole blocks at a time (then the tail)."""
     block_size = qs[0].block_size
@@ -467,12 +482,8 @@ def _requantize_chunked(fn, qs, ops, size, signed, dtype, chunk):
     full, rest = divmod(size, block_size)
     flat_ops = [jnp.ravel(o) for o in ops]
 
-    def apply(rows, values_of_ops, mask=None):
-        decoded = [
-            dequantize_blocks(QuantizedArray(c, a, q.signed)).astype(dtype)
-            for (c, a), q in zip(rows, qs, strict=True)
-        ]
-        values = fn(*decoded, *values_of_ops)
+    def apply(rows, op_rows, mask=None):
+        values = fn(*(dequantize_blocks(r).astype(dtype) for r in rows), *op_rows)
         if mask is not None:  # the padded tail of the last block is zero, as in quantize
             values = [jnp.where(mask, v, 0) for v in values]
         return [quantize_blocks(v, signed=s) for v, s in zip(values, signed, strict=True)]
@@ -481,49 +492,31 @@ def _requantize_chunked(fn, qs, ops, size, signed, dtype, chunk):
         # The last chunk is moved back to end at the last full block; the blocks it repeats
         # are computed again from the same (old) inputs, so rewriting them changes nothing.
         start = jnp.minimum(i * chunk, full - chunk)
-        rows = [
-            (
-                jax.lax.dynamic_slice_in_dim(q.codes, start, chunk),
-                jax.lax.dynamic_slice_in_dim(q.absmax, start, chunk),
-            )
-            for q in qs
-        ]
         op_rows = [
             jax.lax.dynamic_slice_in_dim(o, start * block_size, chunk * block_size).reshape(
                 chunk, block_size
             )
             for o in flat_ops
         ]
-        new = apply(rows, op_rows)
-        return [
-            (
-                jax.lax.dynamic_update_slice_in_dim(codes, q.codes, start, 0),
-                jax.lax.dynamic_update_slice_in_dim(absmax, q.absmax, start, 0),
-            )
-            for (codes, absmax), q in zip(outs, new, strict=True)
-        ]
+        new = apply([_block_rows(q, start, chunk) for q in qs], op_rows)
+        return [_put_block_rows(o, n, start) for o, n in zip(outs, new, strict=True)]
 
     init = [
-        (jnp.zeros((n_blocks, block_size), jnp.uint8), jnp.zeros((n_blocks,), jnp.float32))
-        for _ in signed
+        QuantizedArray(
+            jnp.zeros((n_blocks, block_size), jnp.uint8), jnp.zeros((n_blocks,), jnp.float32), s
+        )
+        for s in signed
     ]
     outs = jax.lax.fori_loop(0, -(-full // chunk), body, init)
     if rest:
-        rows = [(q.codes[full:], q.absmax[full:]) for q in qs]
         op_rows = [
             jnp.pad(o[full * block_size :], (0, block_size - rest)).reshape(1, block_size)
             for o in flat_ops
         ]
         mask = jnp.arange(block_size) < rest
-        new = apply(rows, op_rows, mask)
-        outs = [
-            (
-                jax.lax.dynamic_update_slice_in_dim(codes, q.codes, full, 0),
-                jax.lax.dynamic_update_slice_in_dim(absmax, q.absmax, full, 0),
-            )
-            for (codes, absmax), q in zip(outs, new, strict=True)
-        ]
-    return tuple(QuantizedArray(c, a, s) for (c, a), s in zip(outs, signed, strict=True))
+        new = apply([_block_rows(q, full, 1) for q in qs], op_rows, mask)
+        outs = [_put_block_rows(o, n, full) for o, n in zip(outs, new, strict=True)]
+    return tuple(outs)
 
 
 def dequantize(q: QuantizedArray, shape: tuple[int, ...] | jax.Array) -> jax.Array:

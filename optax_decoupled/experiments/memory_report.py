@@ -67,9 +67,15 @@ def sgd_momentum(
     def update_fn(updates, state, params=None):
         del params
 
+        def heavy_ball(m, g):
+            return (momentum * m + g.astype(jnp.float32),)
+
         def leaf(g, m_s):
-            m = momentum * store.read(m_s, g) + g.astype(jnp.float32)
-            return m.astype(g.dtype), store.write(m, g, signed=True)
+            (m,) = heavy_ball(store.read(m_s, g), g)
+            (written,) = storage_lib.update_moments(
+                store, heavy_ball, (m_s,), (g,), like=g, signed=(True,)
+            )
+            return m.astype(g.dtype), written
 
         treedef = jax.tree.structure(updates)
         parts = treedef.flatten_up_to(jax.tree.map(leaf, updates, state.trace))

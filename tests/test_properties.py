@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import optax_decoupled as od
@@ -87,6 +87,10 @@ def _check(params, alias, lr, wd, state_dtype):
     **hyper,
 )
 def test_dtypes_and_shapes_are_stable(shapes, dtype, seed, lr, wd, alias, state_dtype):
+    # float16 moments (state_dtype=None with float16 parameters) cannot hold g**2 for
+    # |g| < 2.4e-4 nor eps = 1e-8 (both round to 0), so an update can be inf, as with
+    # optax.adam; docs/bad_input.md documents it and test_fuzz excludes it the same way.
+    assume(not (dtype == "float16" and state_dtype is None))
     _check(_tree(shapes, jnp.dtype(dtype), seed), alias, lr, wd, state_dtype)
 
 
@@ -118,7 +122,12 @@ def test_zero_gradient_step_is_pure_decay(lr, wd, convention, value):
 
 
 @settings(max_examples=20, deadline=None)
-@given(g=st.floats(-1e3, 1e3), lr=st.floats(1e-4, 1.0))
+@given(
+    # (1 - b1) g must be a normal float32: XLA:CPU flushes subnormals to zero, and then the
+    # sign is 0 (optax.lion alike). 1e-30 is far above that (1.2e-38 / 0.1).
+    g=st.floats(-1e3, 1e3).filter(lambda g: g == 0 or abs(g) >= 1e-30),
+    lr=st.floats(1e-4, 1.0),
+)
 def test_lion_update_has_unit_magnitude(g, lr):
     tx = od.lion(lr, weight_decay=0.0)
     params = {"w": jnp.ones((2, 2))}

@@ -365,7 +365,8 @@ def _nbytes(tree):
 def test_donation_reuses_every_buffer(kind):
     """With ``donate_argnums=(0, 1)`` every parameter and state buffer is updated in place:
     the compiled step aliases all of them and allocates no parameter-sized copy."""
-    params = {f"l{i}": {"kernel": jnp.ones((64, 32)), "bias": jnp.ones(32)} for i in range(8)}
+    params = {f"l{i}": {"kernel": jnp.ones((64, 128)), "bias": jnp.ones(2048)} for i in range(8)}
+    smallest_leaf = 2048 * 4
     if kind == "flat":
         layout = packed_layout(params)
         params = layout.pack(params)
@@ -382,7 +383,8 @@ def test_donation_reuses_every_buffer(kind):
         # Scratch for the packed gradient, parameters and update; no copy of the state.
         assert mem.temp_size_in_bytes <= 3 * _nbytes(params) + 1024
     else:
-        assert mem.temp_size_in_bytes < 1024  # scalars only
+        # Scalars and the backend's scratch (about 4.5 KiB on a GPU), never a leaf's copy.
+        assert mem.temp_size_in_bytes < smallest_leaf
     new_params, _ = step(params, state, grads)
     assert all(x.is_deleted() for x in jax.tree.leaves((params, state)))
     assert not any(x.is_deleted() for x in jax.tree.leaves(new_params))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -267,7 +268,7 @@ def test_cli_writes_results_and_figures(tmp_path, monkeypatch, capsys):
     doc = json.loads((out / "results.json").read_text())
     assert doc["schema"] == "optax_decoupled.reddi/1"
     assert set(doc["versions"]) >= {"jax", "optax", "optax_decoupled", "python"}
-    assert doc["device"] and doc["platform"] == "cpu"
+    assert doc["device"] and doc["platform"] == jax.devices()[0].platform
     assert set(doc["comparisons"]) == {
         "theorem1",
         "figure1_online",

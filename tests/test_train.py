@@ -187,7 +187,9 @@ def test_warmup_cosine_accepts_traced_peak():
     )(peaks)
     for p, row in zip([1e-3, 1e-2], got, strict=True):
         want = optax.warmup_cosine_decay_schedule(0.0, p, 3, 10)(counts)
-        np.testing.assert_allclose(row, want, rtol=1e-6, atol=1e-12)
+        # rtol 1e-5: float32 cos differs by an ulp between backends (GPU), and near the end
+        # of the cosine 1 + cos(x) cancels, which magnifies it to ~1e-6 relative.
+        np.testing.assert_allclose(row, want, rtol=1e-5, atol=1e-12)
     no_warmup = train_lib.warmup_cosine(2.0, total_steps=4)
     np.testing.assert_allclose(
         no_warmup(jnp.arange(5)), 2.0 * optax.cosine_decay_schedule(1.0, 4)(jnp.arange(5))

@@ -1,0 +1,19 @@
+"""Settings that make the suite mean the same on every backend.
+
+* Float32 matrix products at full precision: on GPUs, XLA's default lets them run in TF32
+  (about 1e-3 relative), which the tests' float64 and one-by-one comparisons would read as
+  errors in the code under test. On CPU this changes nothing.
+* ``--xla_gpu_deterministic_ops``: bit-exact checks (a resumed run equals an uninterrupted
+  one) need GPU kernels without atomics-order nondeterminism; it is ignored on CPU. A
+  user's own ``XLA_FLAGS`` are kept.
+"""
+
+import os
+
+_DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
+if "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DETERMINISTIC}".strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS: the backend reads them when it starts)
+
+jax.config.update("jax_default_matmul_precision", "highest")

@@ -1,5 +1,7 @@
 """The comparison, the lr × wd grid and the report, at smoke size; analysis by hand."""
 
+import argparse
+import dataclasses
 import json
 
 import jax
@@ -121,3 +123,43 @@ def test_report_smoke_schema_and_resume(tmp_path):
     )
     assert marker.stat().st_mtime_ns == before
     assert sum("already done, skipped" in line for line in logs) == 2
+
+
+def test_config_chunk_reaches_every_grid(tmp_path, monkeypatch):
+    """``--config-chunk`` (``run_part(..., config_chunk=)``) is what every grid of the
+    comparison (selection and copying) and of the lr × wd part trains with. The trainer is
+    stopped at its first call: what matters is the ``TrainConfig`` it gets."""
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(args[5].config_chunk)  # the TrainConfig
+        raise Stop
+
+    monkeypatch.setattr(train_lib, "train_grid", recording)
+    for part, chunk in (("compare", 2), ("grid", None), ("grid", 1)):
+        with pytest.raises(Stop):
+            report.run_part(part, "smoke", tmp_path / part, progress=False, config_chunk=chunk)
+        assert seen.pop() == chunk
+    cfg = dataclasses.replace(compare.CompareConfig.preset("smoke"), config_chunk=3)
+    best = {"learning_rate": 1e-3, "weight_decay": 0.0}
+    with pytest.raises(Stop):
+        compare.copy_speed(cfg.specs()["adamw"], best, cfg, progress=False)
+    assert seen.pop() == 3
+
+
+@pytest.mark.parametrize("text, value", [("auto", "auto"), ("none", None), ("1", 1), ("45", 45)])
+def test_config_chunk_option(text, value):
+    assert report.config_chunk_arg(text) == value
+    args = report.add_arguments(argparse.ArgumentParser()).parse_args(["--config-chunk", text])
+    assert args.config_chunk == value
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "2.5", "all", ""])
+def test_config_chunk_option_rejects(text, capsys):
+    with pytest.raises(SystemExit):
+        report.add_arguments(argparse.ArgumentParser()).parse_args(["--config-chunk", text])
+    assert "--config-chunk" in capsys.readouterr().err

@@ -169,6 +169,9 @@ class CompareConfig:
     copy_target: float = 0.99
     lion_lr_factor: float = 0.2
     lion_wd_factor: float = 5.0
+    #: ``TrainConfig.config_chunk`` of every grid trained here (e.g. an int to bound the
+    #: memory of the ``full`` preset's wide grids on a smaller GPU).
+    config_chunk: int | str | None = "auto"
 
     @classmethod
     def preset(cls, scale: str) -> CompareConfig:
@@ -228,7 +231,8 @@ def select_and_evaluate(
     res = train_lib.train_grid(
         task, cfg.model_config(task), make_tx, hp, seed_arr,
         train_lib.TrainConfig(steps=cfg.steps, eval_every=cfg.eval_every, progress=progress,
-                              eval_splits=("val",), final_splits=("train", "val", "test")),
+                              eval_splits=("val",), final_splits=("train", "val", "test"),
+                              config_chunk=cfg.config_chunk),
         keep_params=False, desc=f"{spec.name} ({len(seed_arr)} runs)",
         param_metrics=param_group_norm_metrics,
     )  # fmt: skip
@@ -348,7 +352,8 @@ def copy_speed(
     res = train_lib.train_grid(
         task, cfg.model_config(task), make_tx, hp, seeds,
         train_lib.TrainConfig(steps=cfg.copy_steps, eval_every=cfg.copy_eval_every,
-                              progress=progress, final_splits=("val",)),
+                              progress=progress, final_splits=("val",),
+                              config_chunk=cfg.config_chunk),
         keep_params=False, desc=f"copying {spec.name}",
     )  # fmt: skip
 

@@ -65,6 +65,8 @@ class GridConfig:
     seeds: tuple[int, ...] = (0, 1)
     optimizers: tuple[str, ...] = ("adam_l2", "adamw")
     tolerance: float = 0.05  # relative, for the near-optimal basin
+    #: ``TrainConfig.config_chunk`` of each grid (an int bounds the memory of a wide grid).
+    config_chunk: int | str | None = "auto"
 
     @classmethod
     def preset(cls, scale: str) -> GridConfig:
@@ -135,7 +137,8 @@ def run_grid(
         res = train_lib.train_grid(
             task, model_config, make_tx, hp, seeds,
             train_lib.TrainConfig(steps=cfg.steps, eval_every=cfg.steps, progress=progress,
-                                  eval_splits=(), final_splits=("val", "test")),
+                                  eval_splits=(), final_splits=("val", "test"),
+                                  config_chunk=cfg.config_chunk),
             keep_params=False, desc=f"grid {name}",
         )  # fmt: skip
         shape = (len(spec.lrs), len(spec.wds), len(cfg.seeds))  # seed varies fastest

@@ -14,6 +14,12 @@ Each part writes ``<out>/<part>/results.json`` and its PNG figures, then a compl
 again skips the parts whose marker matches the scale (``--force`` reruns them), so finished
 work is never lost. ``report.md`` records the package/JAX versions, the device and the wall
 time of every part.
+
+``--config-chunk`` (``compare`` and ``grid``) sets how many configurations of a grid one device
+trains at a time (:class:`~optax_decoupled.experiments.train.TrainConfig`'s ``config_chunk``):
+``auto`` (default: one at a time on CPU, all at once on accelerators), ``none`` (all at once)
+or an int. The ``full`` preset's widest grid needs about 23 GiB at once; ``--config-chunk 45``
+divides that by about four on a smaller GPU. Results do not depend on it beyond float rounding.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from optax_decoupled.experiments import xla_setup
 
 SCALES = ("smoke", "quick", "full")
 PARTS = ("reddi", "compare", "grid", "memory")
+#: The parts that train grids of configurations and take ``config_chunk``.
+GRID_PARTS = ("compare", "grid")
 
 
 def environment() -> dict[str, Any]:
@@ -107,10 +115,13 @@ def _section_reddi(doc: dict[str, Any], rel: str) -> str:
     )
 
 
-def _run_compare(scale: str, out: pathlib.Path, progress: bool) -> dict[str, Any]:
+def _run_compare(
+    scale: str, out: pathlib.Path, progress: bool, config_chunk: int | str | None = "auto"
+) -> dict[str, Any]:
     from optax_decoupled.experiments import compare, plots
 
-    doc = compare.run_comparison(compare.CompareConfig.preset(scale), progress=progress)
+    cfg = dataclasses.replace(compare.CompareConfig.preset(scale), config_chunk=config_chunk)
+    doc = compare.run_comparison(cfg, progress=progress)
     doc["figures"] = plots.comparison_figures(doc, out)
     return doc
 
@@ -125,10 +136,13 @@ def _section_compare(doc: dict[str, Any], rel: str) -> str:
     )
 
 
-def _run_grid(scale: str, out: pathlib.Path, progress: bool) -> dict[str, Any]:
+def _run_grid(
+    scale: str, out: pathlib.Path, progress: bool, config_chunk: int | str | None = "auto"
+) -> dict[str, Any]:
     from optax_decoupled.experiments import grid, plots
 
-    doc = grid.run_grid(grid.GridConfig.preset(scale), progress=progress)
+    cfg = dataclasses.replace(grid.GridConfig.preset(scale), config_chunk=config_chunk)
+    doc = grid.run_grid(cfg, progress=progress)
     doc["figures"] = plots.grid_figures(doc, out)
     return doc
 
@@ -170,9 +184,11 @@ def run_part(
     *,
     force: bool = False,
     progress: bool = True,
+    config_chunk: int | str | None = "auto",
 ) -> tuple[dict[str, Any], float, bool]:
     """Runs one part into ``directory`` unless its completion marker says it is done at this
-    scale. Returns ``(results, wall time in seconds, skipped)``."""
+    scale. Returns ``(results, wall time in seconds, skipped)``. ``config_chunk`` goes to the
+    parts that train grids (:data:`GRID_PARTS`)."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     marker, results = directory / "complete.json", directory / "results.json"
@@ -182,7 +198,8 @@ def run_part(
             return json.loads(results.read_text()), float(done["wall_time_s"]), True
     marker.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    doc = RUNNERS[part][0](scale, directory, progress)
+    options = {"config_chunk": config_chunk} if part in GRID_PARTS else {}
+    doc = RUNNERS[part][0](scale, directory, progress, **options)
     wall = time.perf_counter() - t0
     doc = {**doc, "scale": scale, "environment": environment()}
     write_json(results, doc)
@@ -197,6 +214,7 @@ def run_report(
     parts: tuple[str, ...] = PARTS,
     force: bool = False,
     progress: bool = True,
+    config_chunk: int | str | None = "auto",
     log: Callable[[str], None] = print,
 ) -> pathlib.Path:
     """Runs ``parts`` at ``scale`` into ``out`` and writes ``out/report.md``; returns its path."""
@@ -212,7 +230,9 @@ def run_report(
     t0 = time.perf_counter()
     for part in parts:
         log(f"[report] {part} ({scale}) ...")
-        doc, wall, skipped = run_part(part, scale, out / part, force=force, progress=progress)
+        doc, wall, skipped = run_part(
+            part, scale, out / part, force=force, progress=progress, config_chunk=config_chunk
+        )
         walls[part] = (wall, skipped)
         log(f"[report] {part}: {'already done, skipped' if skipped else f'{wall:.1f} s'}")
         sections.append(RUNNERS[part][1](doc, part))
@@ -243,18 +263,41 @@ def run_report(
 # ---------------------------------------------------------------------------------------------
 
 
+def config_chunk_arg(text: str) -> int | str | None:
+    """The ``--config-chunk`` option's value: ``auto``, ``none`` or an int >= 1."""
+    if text in ("auto", "none"):
+        return None if text == "none" else "auto"
+    value = int(text) if text.isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or an int >= 1, got {text!r}")
+    return value
+
+
+def _add_config_chunk(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config-chunk", type=config_chunk_arg, default="auto", metavar="{auto,none,N}",
+        help="configurations of a grid one device trains at a time (auto: one on CPU, all on "
+        "accelerators; none: all; N: at most N, to bound a GPU's memory)",
+    )  # fmt: skip
+
+
 def add_part_arguments(parser: argparse.ArgumentParser, part: str) -> argparse.ArgumentParser:
     """The options of a single-part subcommand (``compare``, ``grid``, ``memory``)."""
     parser.add_argument("--scale", choices=SCALES, default="quick")
     parser.add_argument("--out", default=f"results/{part}", help="output directory")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    if part in GRID_PARTS:
+        _add_config_chunk(parser)
     return parser
 
 
 def run_part_cli(part: str, args: argparse.Namespace, summary: Callable[[dict], str]) -> int:
     """Runs one part (always afresh) for a subcommand and prints its summary."""
     xla_setup.configure_cpu()  # before any JAX work: fast loops, a CPU device per core
-    doc, wall, _ = run_part(part, args.scale, args.out, force=True, progress=not args.no_progress)
+    doc, wall, _ = run_part(
+        part, args.scale, args.out, force=True, progress=not args.no_progress,
+        config_chunk=getattr(args, "config_chunk", "auto"),
+    )  # fmt: skip
     print(summary(doc))
     print(f"\n{wall:.1f} s; results in {args.out}")
     return 0
@@ -286,6 +329,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--force", action="store_true", help="rerun parts already completed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_config_chunk(parser)
     return parser
 
 
@@ -293,7 +337,7 @@ def run_cli(args: argparse.Namespace) -> int:
     scale = "smoke" if os.environ.get("OPTAX_DECOUPLED_SMOKE") == "1" else args.scale
     path = run_report(
         args.out, scale=scale, parts=tuple(args.parts), force=args.force,
-        progress=not args.no_progress,
+        progress=not args.no_progress, config_chunk=args.config_chunk,
     )  # fmt: skip
     print(f"wrote {path}")
     return 0

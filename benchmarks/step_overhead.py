@@ -26,7 +26,6 @@ import time
 
 import _common as C
 import jax
-import jax.numpy as jnp
 import optax
 
 import optax_decoupled as od
@@ -98,7 +97,6 @@ def run(n_leaves: int, n: int, loop_steps: int, repeats: int) -> list[dict]:
             f"loop {row['loop_ms']:8.3f} ms ({row['loop_GBps']:7.1f} GB/s)",
             flush=True,
         )
-        del s
     return rows
 
 
@@ -117,7 +115,6 @@ def main(argv=None) -> list[dict]:
             rows += run(leaves, int(n), args.loop_steps, args.repeats)
     if args.out:
         C.write_json(args.out, {"machine": C.machine_info(), "args": vars(args), "rows": rows})
-    jnp.zeros(()).block_until_ready()
     return rows
 
 

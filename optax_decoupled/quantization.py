@@ -428,6 +428,8 @@ def requantize(
       encoder both need them.
     * **Other platforms** (GPU, TPU): the whole-array computation, which XLA fuses into a
       few parallel kernels.
+    * **A mesh with Explicit axes** (any platform): :func:`dequantize`, ``fn`` and
+      :func:`quantize` of whole arrays, which lay out the sharded reshapes and gathers.
 
     The last block of a size that is not a multiple of :math:`B` is handled apart from the
     loop (its padding is zero, as in :func:`quantize`).
@@ -438,6 +440,11 @@ def requantize(
         raise ValueError("`stored` arrays must share one block layout.")
     chunk = max(1, int(chunk_elements or CHUNK_ELEMENTS) // block_size)
     full = size // block_size
+    if any(_explicit_sharding(x) is not None for x in (*operands, stored[0].codes)):
+        like = operands[0] if operands else tuple(shape)
+        values = fn(*(dequantize(q, like).astype(dtype) for q in stored), *operands)
+        pairs = zip(values, signed, strict=True)
+        return tuple(quantize(v, signed=s, block_size=block_size) for v, s in pairs)
 
     def whole(*args):
         qs, ops = args[: len(stored)], args[len(stored) :]

@@ -209,12 +209,10 @@ class BlockwiseInt8Storage:
         """:func:`update_moments` for 8-bit moments.
 
         Quantized moments go through :func:`optax_decoupled.quantization.requantize`
-        (chunked on CPU). Float32 moments of small parameters, and moments on a mesh with
-        Explicit axes (whose layout :func:`optax_decoupled.quantization.quantize` arranges),
-        take the plain read-compute-write.
+        (chunked on CPU; on a mesh with Explicit axes, whole arrays). Float32 moments of small
+        parameters take the plain read-compute-write.
         """
-        quantized = all(isinstance(s, quant_lib.QuantizedArray) for s in stored)
-        if not quantized or quant_lib._explicit_sharding(like) is not None:
+        if not all(isinstance(s, quant_lib.QuantizedArray) for s in stored):
             return _read_compute_write(self, fn, stored, operands, like, signed)
         dtype = jnp.promote_types(jnp.float32, jnp.result_type(like))
         return quant_lib.requantize(

@@ -6,7 +6,9 @@ matrix of shape (round(N / 1024), 1024) (a multiple of the block size, as real l
 The timed step is ``update`` + ``apply_updates`` of ``optax_decoupled.adamw``, jitted with
 the parameters and the state donated (updated in place), as in a training loop. The state
 dtypes are timed in turns (fp32, bf16, int8, fp32, ...), and the median of ``--repeats`` steps
-is reported, so that a machine shared with other jobs slows them alike.
+is reported, so that a machine shared with other jobs slows them alike. ``int8`` is the
+default 8-bit storage (on CPU the compiled kernel, ``optax_decoupled.cpu_kernel``); ``int8-loop``
+is the same storage with ``cpu_kernel=False`` (XLA's chunk loop), timed in the same turns.
 
     python benchmarks/state_memory.py                    # 1e6, 1e7, 5e7
     python benchmarks/state_memory.py --sizes 1e6 --repeats 5 --json out.json
@@ -28,13 +30,20 @@ import numpy as np
 import optax
 
 import optax_decoupled as od
-from optax_decoupled import memory
+from optax_decoupled import cpu_kernel, memory
+from optax_decoupled.storage import BlockwiseInt8Storage
 
-STATE_DTYPES = ("float32", "bfloat16", "int8")
+STATE_DTYPES = ("float32", "bfloat16", "int8", "int8-loop")
+
+
+def _storage(name):
+    # "int8" is the default 8-bit storage (on CPU: the compiled kernel when it is built);
+    # "int8-loop" the same storage with XLA's chunk loop, for comparison.
+    return BlockwiseInt8Storage(cpu_kernel=False) if name == "int8-loop" else name
 
 
 def make_step(state_dtype):
-    tx = od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype=state_dtype)
+    tx = od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype=_storage(state_dtype))
 
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
@@ -78,7 +87,7 @@ def bench_size(shape, repeats: int) -> dict:
             "compile_s": runs[sd]["compile_s"],
         }
     f32 = out["float32"]
-    for sd in ("bfloat16", "int8"):
+    for sd in ("bfloat16", "int8", "int8-loop"):
         out[sd]["state_ratio"] = out[sd]["state_bytes"] / f32["state_bytes"]
         out[sd]["time_ratio"] = out[sd]["step_ms_median"] / f32["step_ms_median"]
     return out
@@ -87,16 +96,18 @@ def bench_size(shape, repeats: int) -> dict:
 def markdown(results: list[dict]) -> str:
     lines = [
         "| parameters | shape | state fp32 | state bf16 | state int8 | int8/fp32 state "
-        "| step fp32 (ms) | step bf16 (ms) | step int8 (ms) | bf16/fp32 time | int8/fp32 time |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step fp32 (ms) | step bf16 (ms) | step int8 (ms) | step int8, XLA loop (ms) "
+        "| bf16/fp32 time | int8/fp32 time | int8 XLA loop/fp32 time |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        f, b, q = r["float32"], r["bfloat16"], r["int8"]
+        f, b, q, lp = r["float32"], r["bfloat16"], r["int8"], r["int8-loop"]
         fb, bb, qb = (memory.format_bytes(x["state_bytes"]) for x in (f, b, q))
         lines.append(
             f"| {r['num_params']:,} | {tuple(r['shape'])} | {fb} | {bb} | {qb} "
             f"| {q['state_ratio']:.4f} | {f['step_ms_median']:.1f} | {b['step_ms_median']:.1f} "
-            f"| {q['step_ms_median']:.1f} | {b['time_ratio']:.2f} | {q['time_ratio']:.2f} |"
+            f"| {q['step_ms_median']:.1f} | {lp['step_ms_median']:.1f} | {b['time_ratio']:.2f} "
+            f"| {q['time_ratio']:.2f} | {lp['time_ratio']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -124,9 +135,12 @@ def main(argv=None) -> list[dict]:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "repeats": args.repeats,
+        "cpu_kernel": cpu_kernel.available(),
     }
     print()
     print(f"jax {env['jax']} on {env['backend']} ({env['device']}, {env['cpu_count']} CPUs)")
+    kernel = "built" if env["cpu_kernel"] else f"not available: {cpu_kernel.unavailable_reason()}"
+    print(f"compiled CPU kernel for int8: {kernel}")
     print(markdown(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -405,6 +405,7 @@ def requantize(
     signed: tuple[bool, ...],
     dtype: Any = jnp.float32,
     chunk_elements: int | None = None,
+    kernel: bool = True,
 ) -> tuple[QuantizedArray, ...]:
     r"""``quantize(v_k, signed=signed[k])`` for ``v = fn(*dequantize(stored), *operands)``.
 
@@ -419,7 +420,14 @@ def requantize(
     get the neighbouring code (``tests/test_requantize.py`` bounds this). How it is computed
     depends on the platform (:func:`jax.lax.platform_dependent`):
 
-    * **CPU**: a loop over chunks of ``chunk_elements`` (default :data:`CHUNK_ELEMENTS`)
+    * **CPU, compiled kernel**: when ``fn`` is an
+      :class:`~optax_decoupled.moment_updates.EmaMoments` (the updates of Adam, AMSGrad and
+      Lion), the arithmetic is float32 and the kernel is built
+      (:func:`optax_decoupled.cpu_kernel.available`), one multi-threaded C++ call does the
+      whole update (:mod:`optax_decoupled.cpu_kernel`), in programs compiled for one device
+      (XLA cannot partition the call; sharded programs take the loop below).
+      ``kernel=False`` turns this off.
+    * **CPU, otherwise**: a loop over chunks of ``chunk_elements`` (default :data:`CHUNK_ELEMENTS`)
       whole blocks. Each chunk is decoded, updated, reduced to its blocks' absmax and encoded
       while it is in cache, so no float32 array of the parameter's size is ever written. On
       one big array this is what makes 8-bit state cost about 2x float32 instead of 7-10x
@@ -446,22 +454,59 @@ def requantize(
         pairs = zip(values, signed, strict=True)
         return tuple(quantize(v, signed=s, block_size=block_size) for v, s in pairs)
 
-    def whole(*args):
-        qs, ops = args[: len(stored)], args[len(stored) :]
+    n_in = len(stored) + len(operands)
+
+    def whole_with(fn, *args):
+        qs, ops = args[: len(stored)], args[len(stored) : n_in]
         values = fn(*(_dequantize(q, shape).astype(dtype) for q in qs), *ops)
         return tuple(
             _quantize(v, signed=s, block_size=block_size)
             for v, s in zip(values, signed, strict=True)
         )
 
-    if full <= chunk:  # one chunk: nothing to loop over
-        return whole(*stored, *operands)
-
-    def chunked(*args):
-        qs, ops = args[: len(stored)], args[len(stored) :]
+    def chunked_with(fn, *args):
+        if full <= chunk:  # one chunk: nothing to loop over
+            return whole_with(fn, *args)
+        qs, ops = args[: len(stored)], args[len(stored) : n_in]
         return _requantize_chunked(fn, qs, ops, size, signed, dtype, chunk)
 
-    return jax.lax.platform_dependent(*stored, *operands, cpu=chunked, default=whole)
+    if kernel and _kernel_applies(fn, stored, operands, dtype):
+        from optax_decoupled import cpu_kernel
+
+        # Traced coefficients (e.g. from optax.inject_hyperparams) are passed as arguments:
+        # the functions below are lowered apart from the surrounding trace.
+        dynamic, rebuild = fn.split_dynamic()
+
+        def compiled(*args):
+            update = rebuild(args[n_in:])
+            return cpu_kernel.requantize_ema(update, args[: len(stored)], args[len(stored)])
+
+        def loop(*args):
+            return chunked_with(rebuild(args[n_in:]), *args)
+
+        def on_cpu(*args):
+            # The kernel cannot be partitioned: programs for several devices keep the loop.
+            return cpu_kernel.single_device_or(compiled, loop, *args)
+
+        def default(*args):
+            return whole_with(rebuild(args[n_in:]), *args)
+
+        return jax.lax.platform_dependent(*stored, *operands, *dynamic, cpu=on_cpu, default=default)
+
+    if full <= chunk:
+        return whole_with(fn, *stored, *operands)
+    return jax.lax.platform_dependent(
+        *stored,
+        *operands,
+        cpu=functools.partial(chunked_with, fn),
+        default=functools.partial(whole_with, fn),
+    )
+
+
+def _kernel_applies(fn, stored, operands, dtype) -> bool:
+    from optax_decoupled import cpu_kernel  # imports this module
+
+    return cpu_kernel.applies(fn, tuple(stored), tuple(operands), dtype)
 
 
 def _block_rows(q: QuantizedArray, start: Any, count: int) -> QuantizedArray:

@@ -155,16 +155,23 @@ class BlockwiseInt8Storage:
         bitsandbytes' optimizers) costs 1.016 bytes per element, 2048 (the paper's) 1.002.
       min_size: parameters with fewer elements keep float32 moments (bitsandbytes'
         ``min_8bit_size``, default 4096). ``0`` quantizes everything.
+      cpu_kernel: on CPU, update the moments of Adam, AMSGrad and Lion with the compiled
+        multi-threaded kernel when it is built (:mod:`optax_decoupled.cpu_kernel`; default
+        ``True``). ``False`` keeps XLA's chunk loop. Either gives the same result up to
+        float32 rounding; other platforms ignore it.
     """
 
     block_size: int = quant_lib.DEFAULT_BLOCK_SIZE
     min_size: int = 4096
+    cpu_kernel: bool = True
     name: str = "int8"
 
     def __post_init__(self):
         quant_lib._check_block_size(self.block_size)
         if not isinstance(self.min_size, int | np.integer) or self.min_size < 0:
             raise ValueError(f"`min_size` must be a non-negative int, got {self.min_size!r}.")
+        if not isinstance(self.cpu_kernel, bool):
+            raise ValueError(f"`cpu_kernel` must be True or False, got {self.cpu_kernel!r}.")
 
     def quantizes(self, param: Any) -> bool:
         """Whether a parameter of this size gets 8-bit moments (else float32)."""
@@ -209,14 +216,21 @@ class BlockwiseInt8Storage:
         """:func:`update_moments` for 8-bit moments.
 
         Quantized moments go through :func:`optax_decoupled.quantization.requantize`
-        (chunked on CPU; on a mesh with Explicit axes, whole arrays). Float32 moments of small
+        (on CPU the compiled kernel or a chunk loop; on a mesh with Explicit axes, whole
+        arrays). Float32 moments of small
         parameters take the plain read-compute-write.
         """
         if not all(isinstance(s, quant_lib.QuantizedArray) for s in stored):
             return _read_compute_write(self, fn, stored, operands, like, signed)
         dtype = jnp.promote_types(jnp.float32, jnp.result_type(like))
         return quant_lib.requantize(
-            fn, tuple(stored), tuple(operands), shape=jnp.shape(like), signed=signed, dtype=dtype
+            fn,
+            tuple(stored),
+            tuple(operands),
+            shape=jnp.shape(like),
+            signed=signed,
+            dtype=dtype,
+            kernel=self.cpu_kernel,
         )
 
 

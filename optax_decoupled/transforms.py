@@ -28,6 +28,7 @@ import optax
 from optax_decoupled import _validation as V
 from optax_decoupled import masks as masks_lib
 from optax_decoupled import storage as storage_lib
+from optax_decoupled.moment_updates import EmaMoments
 
 #: Weight-decay conventions of :func:`decoupled_weight_decay`.
 DECAY_CONVENTIONS = ("lr", "schedule", "constant", "corrected")
@@ -379,16 +380,13 @@ def scale_by_adam(
 
         _check_shapes(updates, state.mu, "scale_by_adam", "first moment")
 
-        def moments(mu, nu, *rest):
-            # Element-wise: (mu, nu[, nu_max]) at t-1 and g -> the same at t.
-            *nu_max, g = rest
-            gc = g.astype(mu.dtype)
-            mu = (1 - b1) * gc + b1 * mu
-            nu = (1 - b2) * (gc * gc) + b2 * nu
-            if amsgrad is None:
-                return mu, nu
-            seen = nu / bc2.astype(nu.dtype) if amsgrad == "optax" else nu
-            return mu, nu, jnp.maximum(nu_max[0], seen)
+        # Element-wise: (mu, nu[, nu_max]) at t-1 and g -> the same at t.
+        moments = EmaMoments(
+            (b1, b2),
+            (1, 2),
+            running_max=amsgrad is not None,
+            max_divisor=bc2 if amsgrad == "optax" else None,
+        )
 
         def leaf(g, mu_s, nu_s, nu_max_s=None):
             g = jnp.asarray(g)
@@ -471,8 +469,7 @@ def scale_by_lion(
 
         _check_shapes(updates, state.mu, "scale_by_lion", "momentum")
 
-        def momentum(mu, g):
-            return ((1 - b2) * g.astype(mu.dtype) + b2 * mu,)
+        momentum = EmaMoments((b2,), (1,))
 
         def leaf(g, mu_s):
             g = jnp.asarray(g)

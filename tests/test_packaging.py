@@ -1,9 +1,10 @@
 """Packaging: the core imports only jax/optax/chex, the CLI lists its subcommands, and the
 built wheel installs and works in a fresh virtual environment with the core dependencies only.
 
-The wheel test builds with ``pip wheel . --no-deps`` (setuptools from PyPI in an isolated build
-environment) and installs into a new venv with the versions of jax, jaxlib, optax, chex and
-numpy pinned to those of the running environment, so it reuses pip's cache. It needs PyPI;
+The wheel test builds with ``pip wheel . --no-deps`` (setuptools and jax, for the XLA FFI
+headers of the C++ CPU kernel, from PyPI in an isolated build environment) and installs into
+a new venv with the versions of jax, jaxlib, optax, chex and numpy pinned to those of the
+running environment, so it reuses pip's cache. It needs PyPI;
 set ``OPTAX_DECOUPLED_OFFLINE=1`` to skip it where there is none.
 """
 
@@ -47,6 +48,21 @@ updates, state = tx.update(grads, state, params)
 new = optax.apply_updates(params, updates)
 assert float(new["w"][0, 0]) < 1.0 and float(new["b"][0]) == 1.0  # mask="auto": w decays only
 print("ok")
+"""
+
+KERNEL_STEP = """
+import jax, jax.numpy as jnp, optax
+import optax_decoupled as od
+from optax_decoupled import cpu_kernel
+assert cpu_kernel.available(), cpu_kernel.unavailable_reason()
+params = {"w": jnp.ones((64, 128))}
+tx = od.adamw(1e-2, weight_decay=0.1, state_dtype="int8")
+state = tx.init(params)
+step = jax.jit(lambda p, s: tx.update(jax.tree.map(jnp.sin, p), s, p))
+assert cpu_kernel.TARGET in step.lower(params, state).as_text()
+updates, state = step(params, state)
+assert float(jnp.abs(updates["w"]).max()) > 0
+print("kernel ok")
 """
 
 
@@ -135,6 +151,8 @@ def test_wheel_installs_and_works_with_core_dependencies_only(tmp_path):
         names = zf.namelist()
         metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "optax_decoupled/py.typed" in names
+    # The compiled CPU kernel (built with the machine's C++ compiler) is in the wheel.
+    assert [n for n in names if re.fullmatch(r"optax_decoupled/_requantize_cpu\..*\.so", n)]
     assert any(n.endswith("LICENSE") for n in names), "the wheel should carry the license"
     assert not [n for n in names if n.split("/")[0] in ("tests", "notebooks", "docs", "benchmarks")]
     assert any(n.endswith("entry_points.txt") for n in names)
@@ -164,6 +182,7 @@ def test_wheel_installs_and_works_with_core_dependencies_only(tmp_path):
     outside.mkdir()
     assert run([python, "-c", CHECK_IMPORTS], cwd=outside).strip() == optax_decoupled.__version__
     assert run([python, "-c", ONE_STEP], cwd=outside).strip() == "ok"
+    assert run([python, "-c", KERNEL_STEP], cwd=outside).strip() == "kernel ok"
     where = run([python, "-c", "import optax_decoupled; print(optax_decoupled.__file__)"],
                 cwd=outside)  # fmt: skip
     assert str(venv) in where, where

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import optax_decoupled as od
+from optax_decoupled import cpu_kernel
 from optax_decoupled import quantization as Q
 from optax_decoupled import storage as S
 
@@ -118,19 +119,26 @@ def test_mismatched_layouts_are_refused():
         Q.requantize(_adam_like, (mu, other), (g,), shape=shape, signed=(True, False))
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "xla-loop"])
 @pytest.mark.parametrize(
     "lr, make",
     [
         (1e-3, lambda sd: od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype=sd)),
         (1e-3, lambda sd: od.amsgrad(1e-3, weight_decay=0.1, mask=None, state_dtype=sd)),
+        (
+            1e-3,
+            lambda sd: od.amsgrad(
+                1e-3, weight_decay=0.1, mask=None, state_dtype=sd, variant="optax"
+            ),
+        ),
         (1e-4, lambda sd: od.lion(1e-4, weight_decay=0.3, mask=None, state_dtype=sd)),
     ],
-    ids=["adamw", "amsgrad", "lion"],
+    ids=["adamw", "amsgrad", "amsgrad-optax", "lion"],
 )
-def test_optimizers_equal_the_unfused_storage(lr, make):
-    """An int8 optimizer (fused, chunked on CPU) against the same storage with its fused
-    `update` hidden (plain read-compute-write), over three steps, parameters big enough for
-    several chunks and with a padded last block."""
+def test_optimizers_equal_the_unfused_storage(lr, make, kernel):
+    """An int8 optimizer (fused: the compiled CPU kernel, or XLA's chunk loop) against the
+    same storage with its fused `update` hidden (plain read-compute-write), over three steps,
+    parameters big enough for several chunks and with a padded last block."""
 
     class Unfused:  # the MomentStorage protocol without `update`
         name = "int8-unfused"
@@ -152,7 +160,7 @@ def test_optimizers_equal_the_unfused_storage(lr, make):
         "b": jnp.ones((10,)),  # under min_size: float32 moments
     }
     results = []
-    for sd in ("int8", Unfused()):
+    for sd in (S.BlockwiseInt8Storage(cpu_kernel=kernel), Unfused()):
         tx = make(sd)
         state = tx.init(params)
         p = params
@@ -163,9 +171,12 @@ def test_optimizers_equal_the_unfused_storage(lr, make):
             u, state = tx.update(g, state, p)
             return optax.apply_updates(p, u), state
 
-        # The fused storage stages its chunk loop out for CPU; the unfused one has none.
+        # On CPU the fused storage calls the kernel or stages its chunk loop out; the unfused
+        # one does neither.
         lowered = step.trace(p, state, 0).lower(lowering_platforms=("cpu",)).as_text()
-        assert ("stablehlo.while" in lowered) == (sd == "int8")
+        fused = not isinstance(sd, Unfused)
+        assert (cpu_kernel.TARGET in lowered) == (fused and kernel)
+        assert ("stablehlo.while" in lowered) == (fused and not kernel)
         for i in range(3):
             p, state = step(p, state, i)
         results.append((p, state))

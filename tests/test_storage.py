@@ -286,7 +286,12 @@ def test_inject_hyperparams_with_vmap_over_lr(name, state_dtype):
     assert isinstance(mu, Q.QuantizedArray) and mu.codes.shape[0] == 2
     for i in range(2):
         one, _ = jax.jit(train)(lrs[i])
-        chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], batched), one, rtol=1e-5)
+        # The batched and the single program may round the parameter update differently
+        # (a contracted multiply-add), which can move a moment code by one step: parameters
+        # of unit scale then differ by ~1e-9.
+        chex.assert_trees_all_close(
+            jax.tree.map(lambda x: x[i], batched), one, rtol=1e-5, atol=1e-7
+        )
 
 
 @pytest.mark.parametrize("name", ["adam_l2", "amsgrad", "lion"])
@@ -387,13 +392,19 @@ SHARDING_SCRIPT = textwrap.dedent(
     grads = jax.tree.map(lambda x: 0.1 * x + 0.01, params)
     tx = od.adamw(1e-2, weight_decay=0.1, state_dtype="int8")
 
-    def step(p, s, g):
+    def step(p, s, g, tx=tx):
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    ref_p, ref_s = params, tx.init(params)
+    # The reference runs on one device, where the default would call the compiled CPU kernel
+    # (which rounds like NumPy, not like XLA); programs for several devices take XLA's
+    # partitionable loop, so the reference takes it too.
+    from optax_decoupled import cpu_kernel
+    from optax_decoupled.storage import BlockwiseInt8Storage
+    tx_loop = od.adamw(1e-2, weight_decay=0.1, state_dtype=BlockwiseInt8Storage(cpu_kernel=False))
+    ref_p, ref_s = params, tx_loop.init(params)
     for _ in range(3):
-        ref_p, ref_s = jax.jit(step)(ref_p, ref_s, grads)
+        ref_p, ref_s = jax.jit(lambda p, s, g: step(p, s, g, tx_loop))(ref_p, ref_s, grads)
 
     shard = {"w": row, "b": NamedSharding(mesh, P())}
     sp = jax.device_put(params, shard)
@@ -426,6 +437,7 @@ SHARDING_SCRIPT = textwrap.dedent(
     np.testing.assert_array_equal(np.asarray(codes), np.asarray(ref_s[0].mu["w"].codes))
     hlo = jax.jit(step).lower(sp, ss, sg).compile().as_text()
     assert "all-gather" not in hlo and "all-to-all" not in hlo
+    assert cpu_kernel.TARGET not in hlo
 
     # The same on a mesh with Explicit axes (jax.make_mesh's default), the state made by
     # eager init and by jit_init, which both split codes and scales like the rows.

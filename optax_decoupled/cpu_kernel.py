@@ -1,0 +1,296 @@
+r"""The compiled CPU kernel for 8-bit moment updates (an XLA FFI custom call).
+
+On CPU, :func:`optax_decoupled.quantization.requantize` runs the moment update of Adam,
+AMSGrad and Lion (an :class:`~optax_decoupled.moment_updates.EmaMoments`) on 8-bit state as
+one call of a C++ kernel, ``csrc/requantize_cpu.cc``, built with the package (a setuptools
+extension compiled against the XLA FFI headers that jaxlib ships). Per block of :math:`B`
+elements it decodes the stored codes, applies the moving averages, takes the new absmax and
+encodes the new values, reading and writing each block once, with the blocks spread over
+XLA's intra-op threads. XLA's own program for this runs as a loop on one core
+(``docs/memory.md``, Speed).
+
+The kernel computes what :func:`~optax_decoupled.quantization.dequantize`, the update and
+:func:`~optax_decoupled.quantization.quantize` compute, in float32, in the order ``jnp``
+writes it (no fused multiply-adds), with the exact nearest-code rounding of
+:func:`~optax_decoupled.quantization.quantize_normalized`. It finds the code without a table
+indexed by the float's bits: the map's decision points (midpoints between neighbouring map
+values) are equally spaced within each decade, so a linear estimate plus one comparison with
+the exact decision point gives the rank (:func:`encoder_table` builds the constants and checks
+the assumptions). ``tests/test_cpu_kernel.py`` checks the encoder on every float32 within 4096
+ulps of every decision point and the whole update against the XLA path.
+
+If the extension was not built (no C++ compiler at install time) or cannot be loaded,
+:func:`available` is ``False`` and 8-bit storage uses XLA's chunk loop, with the same results.
+``BlockwiseInt8Storage(cpu_kernel=False)`` chooses the XLA loop explicitly. GPUs and TPUs
+never use the kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+from jax.interpreters import batching, mlir
+
+from optax_decoupled import moment_updates
+from optax_decoupled import quantization as quant_lib
+
+#: Name of the FFI target (registered for the CPU platform on first use).
+TARGET = "optax_decoupled_requantize_ema"
+_LIBRARY = "_requantize_cpu"
+_SYMBOL = "OdRequantizeEma"
+
+#: Header length of an encoder table (csrc/requantize_cpu.cc).
+_HEADER = 8
+
+_load_error: str | None = None
+
+
+def _library_path() -> pathlib.Path | None:
+    here = pathlib.Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"{_LIBRARY}{suffix}"
+        if path.exists():
+            return path
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _register() -> bool:
+    """Loads the compiled library and registers its FFI target for the CPU (once)."""
+    global _load_error
+    ffi = getattr(jax, "ffi", None)
+    if ffi is None or not hasattr(ffi, "ffi_call"):
+        _load_error = f"jax {jax.__version__} has no jax.ffi.ffi_call"
+        return False
+    path = _library_path()
+    if path is None:
+        _load_error = f"the extension {_LIBRARY} was not built (no C++ compiler at install?)"
+        return False
+    try:
+        lib = ctypes.CDLL(str(path))
+        ffi.register_ffi_target(TARGET, ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure means: use the XLA path
+        _load_error = f"loading {path.name} failed: {e!r}"
+        return False
+    return True
+
+
+def available() -> bool:
+    """Whether the compiled CPU kernel is built and registered with XLA."""
+    return _register()
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is ``False`` (``None`` when it is ``True``)."""
+    return None if _register() else _load_error
+
+
+@functools.lru_cache(maxsize=2)
+def encoder_table(signed: bool) -> np.ndarray:
+    r"""The lookup table of :func:`~optax_decoupled.quantization.quantize_normalized`,
+    packed for the kernel (int32).
+
+    Layout (``csrc/requantize_cpu.cc``): a header ``[shift, first, n, signed]`` padded to 8,
+    then ``n`` entries for :math:`y \ge 0` and ``n`` for :math:`y < 0`. Entry ``i`` covers
+    the float32 bits of :math:`|y|` in ``[(first + i) << shift, (first + i + 1) << shift)``
+    (the first entry also everything below, the last everything above) and holds
+    ``(low << 8) | below``: the code below the one decision point the interval may contain,
+    and that point's bits under ``shift`` (``2**shift``, never exceeded, when there is none).
+    The code is ``below`` plus one step away from zero when :math:`|y|`'s low bits exceed
+    ``low``: the comparison ``|y| > threshold`` of the XLA path, as the high bits are equal.
+
+    Entries below ``first`` of the full table are dropped: they all equal entry ``first``
+    (checked), since the map has no value that small.
+    """
+    t = quant_lib._tables(bool(signed))
+    n_full = t.code_pair.shape[1]
+    index = np.arange(n_full, dtype=np.int64)
+    never = 1 << t.shift
+    sides = []
+    first = n_full - 1
+    for side in range(2):
+        below = (t.code_pair[side] & 0xFF).astype(np.int64)
+        thr = t.threshold[side]
+        finite = np.isfinite(thr)
+        low = np.full(n_full, never, np.int64)
+        low[finite] = thr[finite].view(np.uint32).astype(np.int64) - (index[finite] << t.shift)
+        assert np.all((low[finite] >= 0) & (low[finite] < never))  # the point is in its entry
+        packed = (low << 8) | below
+        differs = np.nonzero(packed != packed[0])[0]
+        if len(differs):
+            first = min(first, int(differs[0]) - 1)
+        sides.append(packed)
+    first = max(first, 0)
+    assert all(np.all(p[: first + 1] == p[first]) for p in sides)
+    n = n_full - first
+    header = [t.shift, first, n, int(bool(signed))] + [0] * (_HEADER - 4)
+    table = np.concatenate([np.asarray(header, np.int64)] + [p[first:] for p in sides])
+    assert table.max() < 2**31
+    return table.astype(np.int32)
+
+
+def _f32_coefficient(x: Any) -> jax.Array | None:
+    """``x`` as a float32 scalar exactly as ``jnp`` would multiply it into a float32 array
+    (a Python number is rounded to float32), or ``None`` if it is not a float32 scalar."""
+    if isinstance(x, int | float):
+        return jnp.asarray(np.float32(x))
+    x = jnp.asarray(x)
+    if x.dtype != jnp.float32 or x.ndim != 0:
+        return None
+    return x
+
+
+def applies(update: Any, stored: tuple[Any, ...], operands: tuple[Any, ...], dtype: Any) -> bool:
+    """Whether :func:`requantize_ema` can compute ``update`` on these arguments: an
+    :class:`~optax_decoupled.moment_updates.EmaMoments` with float32 coefficients, float32
+    arithmetic and gradient, and 2-D codes (inside ``vmap`` the batch is unstacked)."""
+    if not isinstance(update, moment_updates.EmaMoments) or not available():
+        return False
+    if len(stored) != update.num_stored or len(operands) != 1:
+        return False
+    if jnp.dtype(dtype) != jnp.float32 or jnp.result_type(operands[0]) != jnp.float32:
+        return False
+    if any(q.codes.ndim != 2 or q.codes.dtype != jnp.uint8 for q in stored):
+        return False
+    coefficients = [*update.decays]
+    if update.max_divisor is not None:
+        coefficients.append(update.max_divisor)
+    ones = [1 - b if isinstance(b, int | float) else None for b in update.decays]
+    if any(o is not None and _f32_coefficient(o) is None for o in ones):
+        return False
+    return all(_f32_coefficient(c) is not None for c in coefficients)
+
+
+def requantize_ema(
+    update: moment_updates.EmaMoments,
+    stored: tuple[quant_lib.QuantizedArray, ...],
+    g: jax.Array,
+) -> tuple[quant_lib.QuantizedArray, ...]:
+    """``quantize(update(*dequantize(stored), g))`` per moment, by the compiled kernel.
+
+    Call only where :func:`applies` is true and on the CPU (``quantization.requantize``
+    dispatches with ``jax.lax.platform_dependent``). The new codes and scales are written in
+    place of the old ones when those are donated.
+    """
+    if not available():
+        raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
+    coef = []
+    for k in range(2):
+        if k < len(update.decays):
+            beta = update.decays[k]
+            one_minus = 1 - beta  # as jnp computes it: in Python for floats, else float32
+            coef += [_f32_coefficient(one_minus), _f32_coefficient(beta)]
+        else:
+            coef += [jnp.float32(0), jnp.float32(0)]
+    divisor = update.max_divisor
+    coef.append(jnp.float32(1) if divisor is None else _f32_coefficient(divisor))
+    args = [g, jnp.stack(coef)]
+    out_types = []
+    aliases = {}
+    for k, q in enumerate(stored):
+        qmap = jnp.asarray(quant_lib._dynamic_map(q.signed))
+        args += [qmap, jnp.asarray(encoder_table(q.signed)), q.codes, q.absmax]
+        aliases[2 + 4 * k + 2] = 2 * k
+        aliases[2 + 4 * k + 3] = 2 * k + 1
+        out_types += [
+            jax.ShapeDtypeStruct(q.codes.shape, jnp.uint8),
+            jax.ShapeDtypeStruct(q.absmax.shape, jnp.float32),
+        ]
+    call = jax.ffi.ffi_call(
+        TARGET, out_types, vmap_method="sequential", input_output_aliases=aliases
+    )
+    powers = list(update.powers) + [1] * (2 - len(update.powers))
+    outs = call(
+        *args,
+        n_ema=np.int64(len(update.decays)),
+        has_max=np.int64(update.running_max),
+        max_divide=np.int64(divisor is not None),
+        power0=np.int64(powers[0]),
+        power1=np.int64(powers[1]),
+    )
+    return tuple(
+        quant_lib.QuantizedArray(outs[2 * k], outs[2 * k + 1], q.signed)
+        for k, q in enumerate(stored)
+    )
+
+
+# --- Choosing the kernel per compiled program -------------------------------------------------
+#
+# The kernel is a custom call that XLA cannot partition: in a program compiled for several
+# devices (parameters sharded with jax.sharding) XLA would gather its operands onto every
+# device. So the choice between the kernel and XLA's own program is made when the program is
+# lowered, from the number of devices it is compiled for, like jax.lax.platform_dependent
+# chooses by platform: a primitive whose lowering lowers one of two functions.
+
+_dispatch_p = jex_core.Primitive("optax_decoupled_single_device_or")
+_dispatch_p.multiple_results = True
+
+
+def single_device_or(single: Any, partitioned: Any, *args: Any) -> Any:
+    """``single(*args)`` in a program compiled for one device, else ``partitioned(*args)``.
+
+    Both must return the same pytree of arrays. The choice is made when the surrounding
+    ``jit`` is lowered (eagerly, by a ``jit`` of this call on the arguments' devices).
+    """
+    leaves, in_tree = jax.tree.flatten(args)
+    out = jax.eval_shape(partitioned, *args)
+    out_leaves, out_tree = jax.tree.flatten(out)
+    out_avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out_leaves)
+    outs = _dispatch_p.bind(
+        *leaves,
+        single=_flat(single, in_tree),
+        partitioned=_flat(partitioned, in_tree),
+        out_avals=out_avals,
+    )
+    return jax.tree.unflatten(out_tree, outs)
+
+
+def _flat(fn, in_tree):
+    def run(*leaves):
+        return jax.tree.leaves(fn(*jax.tree.unflatten(in_tree, list(leaves))))
+
+    return run
+
+
+def _dispatch_abstract_eval(*avals, single, partitioned, out_avals):
+    del avals, single, partitioned
+    return list(out_avals)
+
+
+def _dispatch_impl(*args, **params):
+    return jax.jit(lambda *a: _dispatch_p.bind(*a, **params))(*args)
+
+
+def _dispatch_lowering(ctx, *args, single, partitioned, out_avals):
+    del out_avals
+    # jit's context is a ShardingContext with the program's number of devices; other
+    # contexts (e.g. inside shard_map) take the partitionable path.
+    num_devices = getattr(ctx.module_context.axis_context, "num_devices", None)
+    fn = single if num_devices == 1 else partitioned
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _dispatch_batching(args, dims, *, single, partitioned, out_avals):
+    del out_avals
+    unmapped = (None, getattr(batching, "not_mapped", None))
+    in_axes = [None if d in unmapped else d for d in dims]
+    single_b = jax.vmap(single, in_axes=in_axes)
+    partitioned_b = jax.vmap(partitioned, in_axes=in_axes)
+    out = jax.eval_shape(partitioned_b, *args)
+    out_avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out)
+    outs = _dispatch_p.bind(*args, single=single_b, partitioned=partitioned_b, out_avals=out_avals)
+    return outs, [0] * len(outs)
+
+
+_dispatch_p.def_abstract_eval(_dispatch_abstract_eval)
+_dispatch_p.def_impl(_dispatch_impl)
+mlir.register_lowering(_dispatch_p, _dispatch_lowering)
+batching.primitive_batchers[_dispatch_p] = _dispatch_batching

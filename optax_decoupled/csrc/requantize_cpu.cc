@@ -1,0 +1,327 @@
+// The 8-bit moment update on CPU as one multi-threaded XLA FFI kernel.
+//
+// For each block of B elements: dequantize the stored moments (code -> map value x absmax),
+// apply the exponential moving averages of the gradient (and a running max), take the new
+// block absmax and encode the new values to the nearest map entry (Dettmers et al., "8-bit
+// Optimizers via Block-wise Quantization", ICLR 2022). Each block is read once and written
+// once; blocks are spread over XLA's intra-op thread pool.
+//
+// The Python side (optax_decoupled/cpu_kernel.py) is the only caller. It passes the maps and
+// the encoder tables of optax_decoupled/quantization.py; this file adds no numerics of its
+// own: float32 arithmetic in the order jnp writes it, each multiply and add rounded.
+//
+// Encoding y = x / absmax (clipped to the map's range) uses the lookup table of
+// quantization.quantize_normalized, packed: the top bits of |y| as a float32 (exponent and
+// leading mantissa bits) index an entry holding the code below the one decision point
+// (midpoint between neighbouring map values) that the entry's interval may contain and that
+// point's low float bits; one comparison of |y|'s low bits with them picks the code. So the
+// codes are exactly those of the XLA path (nearest map value, ties toward the smaller
+// magnitude); tests/test_cpu_kernel.py checks this on every float32 within 4096 ulps of
+// every decision point.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wreturn-type"
+#pragma GCC diagnostic ignored "-Wattributes"
+#include "xla/ffi/api/ffi.h"
+#pragma GCC diagnostic pop
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define OD_CLONES __attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define OD_CLONES __attribute__((noinline))
+#endif
+
+// Layout of an encoder table (int32), written by cpu_kernel.encoder_table:
+// [shift, first, n, signed, 0, 0, 0, 0], then n entries for y >= 0 and n for y < 0, each
+// (low bits of the decision point << 8) | code below it, with 2^shift as the low bits when
+// the entry's interval has no decision point. Entry i covers the float bits of |y| in
+// [(first + i) << shift, (first + i + 1) << shift); the last one everything above.
+constexpr int kHeader = 8;
+
+struct Encoder {
+  const float* qmap;      // 256 map values, by code
+  const int32_t* entries;  // 2 n packed entries
+  int32_t shift;
+  int32_t first;
+  int32_t n;
+  float lo;  // -1 (signed map) or 0 (unsigned)
+};
+
+inline uint32_t BitsOf(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+inline float FloatOf(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+// out[i] = c_in * g[i]^power + c_keep * (qmap[codes[i]] * absmax), as jnp computes
+// `(1 - b) * g + b * m`; zero past `valid` (the padded tail of the last block).
+OD_CLONES void EmaBlock(const float* __restrict g, const uint8_t* __restrict codes,
+                        const float* __restrict qmap, float absmax, float c_in, float c_keep,
+                        int power, int valid, int block, float* __restrict out) {
+  if (power == 2) {
+    for (int i = 0; i < valid; ++i) {
+      const float s = g[i] * g[i];
+      const float m = qmap[codes[i]] * absmax;
+      const float t1 = c_in * s;
+      const float t2 = c_keep * m;
+      out[i] = t1 + t2;
+    }
+  } else {
+    for (int i = 0; i < valid; ++i) {
+      const float m = qmap[codes[i]] * absmax;
+      const float t1 = c_in * g[i];
+      const float t2 = c_keep * m;
+      out[i] = t1 + t2;
+    }
+  }
+  for (int i = valid; i < block; ++i) out[i] = 0.0f;
+}
+
+// out[i] = max(qmap[codes[i]] * absmax, seen[i] [/ divisor]), NaN-propagating like
+// jnp.maximum; zero past `valid`.
+OD_CLONES void MaxBlock(const float* __restrict seen, const uint8_t* __restrict codes,
+                        const float* __restrict qmap, float absmax, int divide, float divisor,
+                        int valid, int block, float* __restrict out) {
+  if (divide) {
+    for (int i = 0; i < valid; ++i) {
+      const float old = qmap[codes[i]] * absmax;
+      const float s = seen[i] / divisor;
+      out[i] = (old > s || old != old) ? old : s;
+    }
+  } else {
+    for (int i = 0; i < valid; ++i) {
+      const float old = qmap[codes[i]] * absmax;
+      out[i] = (old > seen[i] || old != old) ? old : seen[i];
+    }
+  }
+  for (int i = valid; i < block; ++i) out[i] = 0.0f;
+}
+
+// max |x| over the block as float32 bits (the integer order of |x|'s bits is its float
+// order; a NaN's bits exceed infinity's, so a NaN propagates as in jnp.max).
+OD_CLONES uint32_t AbsMaxBits(const float* __restrict x, int block) {
+  uint32_t m = 0;
+  for (int i = 0; i < block; ++i) {
+    const uint32_t u = BitsOf(x[i]) & 0x7fffffffu;
+    m = u > m ? u : m;
+  }
+  return m;
+}
+
+// Codes of one block: y = clip((x * factor) / scale, lo, 1) per element (NaN stays NaN,
+// as in jnp.clip), then the packed table lookup (see the top of the file). Written with
+// selects and arithmetic instead of branches so that it vectorizes.
+OD_CLONES void EncodeBlock(const float* __restrict x, float factor, float scale, float lo,
+                           const int32_t* __restrict entries, int32_t shift, int32_t first,
+                           int32_t n, int block, uint8_t* __restrict codes) {
+  const uint32_t low_mask = (1u << shift) - 1u;
+  for (int i = 0; i < block; ++i) {
+    const float v = (x[i] * factor) / scale;
+    float y = v > lo ? v : lo;
+    y = y < 1.0f ? y : 1.0f;
+    y = v != v ? v : y;
+    const uint32_t u = BitsOf(y);
+    const int32_t neg = static_cast<int32_t>(u >> 31);
+    const uint32_t mag = u & 0x7fffffffu;
+    int32_t index = static_cast<int32_t>(mag >> shift) - first;
+    index = index > 0 ? index : 0;
+    index = index < n - 1 ? index : n - 1;
+    const int32_t entry = entries[index + neg * n];
+    const int32_t above = static_cast<int32_t>(static_cast<int32_t>(mag & low_mask) > (entry >> 8));
+    // Above the decision point the code moves one step away from zero.
+    codes[i] = static_cast<uint8_t>((entry & 0xff) + above - 2 * (above & neg));
+  }
+}
+
+constexpr float kF32Max = 3.4028234663852886e38f;
+
+// Quantizes one block of float32 values x: absmax as jnp.max(jnp.abs(x)) saturated at
+// float32.max, the power-of-two rescaling of quantization._scales, nearest codes.
+void QuantizeBlock(const float* x, const Encoder& e, int block, uint8_t* codes,
+                   float* absmax_out) {
+  float a = FloatOf(AbsMaxBits(x, block));
+  a = (a != a) ? a : std::min(a, kF32Max);
+  const float factor = a > 0x1p100f ? 0x1p-64f : (a < 0x1p-100f ? 0x1p64f : 1.0f);
+  const float scale = a > 0.0f ? a * factor : 1.0f;
+  *absmax_out = a;
+  EncodeBlock(x, factor, scale, e.lo, e.entries, e.shift, e.first, e.n, block, codes);
+}
+
+// Runs work(task) for task in [0, n_tasks) on the caller and the pool's threads. The
+// caller takes tasks too, so the call finishes even if no pool thread is free; tasks
+// scheduled after all work is claimed return at once (they only touch `shared`).
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n_tasks, F work) {
+  if (n_tasks <= 0) return;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t helpers = std::min<int64_t>(threads, n_tasks) - 1;
+  if (helpers <= 0) {
+    for (int64_t t = 0; t < n_tasks; ++t) work(t);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto shared = std::make_shared<Shared>();
+  // Helpers call `work` only for tasks they claim before all are claimed, and the caller
+  // waits until every claimed task is done, so `work` outlives every call of it.
+  auto run = [shared, n_tasks, &work]() {
+    for (;;) {
+      const int64_t t = shared->next.fetch_add(1);
+      if (t >= n_tasks) return;
+      work(t);
+      if (shared->done.fetch_add(1) + 1 == n_tasks) {
+        std::lock_guard<std::mutex> lock(shared->mu);
+        shared->cv.notify_all();
+      }
+    }
+  };
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([run]() { run(); });
+  run();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done.load() == n_tasks; });
+}
+
+constexpr int64_t kTaskElements = 1 << 16;
+
+ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
+                             ffi::Buffer<ffi::F32> coef, ffi::RemainingArgs rest,
+                             ffi::RemainingRets rets, int64_t n_ema, int64_t has_max,
+                             int64_t max_divide, int64_t power0, int64_t power1) {
+  const int64_t n_moments = n_ema + has_max;
+  if (n_ema < 1 || n_ema > 2 || has_max < 0 || has_max > 1 || (has_max && n_ema != 2)) {
+    return ffi::Error::InvalidArgument("requantize_ema: unsupported moment layout");
+  }
+  if (rest.size() != static_cast<size_t>(4 * n_moments) ||
+      rets.size() != static_cast<size_t>(2 * n_moments)) {
+    return ffi::Error::InvalidArgument("requantize_ema: wrong number of operands");
+  }
+  std::vector<Encoder> enc(n_moments);
+  std::vector<const uint8_t*> codes_in(n_moments);
+  std::vector<const float*> absmax_in(n_moments);
+  std::vector<uint8_t*> codes_out(n_moments);
+  std::vector<float*> absmax_out(n_moments);
+  int64_t n_blocks = -1, block = -1;
+  for (int64_t k = 0; k < n_moments; ++k) {
+    auto qmap = rest.get<ffi::Buffer<ffi::F32>>(4 * k);
+    auto table = rest.get<ffi::Buffer<ffi::S32>>(4 * k + 1);
+    auto codes = rest.get<ffi::Buffer<ffi::U8>>(4 * k + 2);
+    auto absmax = rest.get<ffi::Buffer<ffi::F32>>(4 * k + 3);
+    auto codes_o = rets.get<ffi::Buffer<ffi::U8>>(2 * k);
+    auto absmax_o = rets.get<ffi::Buffer<ffi::F32>>(2 * k + 1);
+    if (!qmap.has_value() || !table.has_value() || !codes.has_value() || !absmax.has_value() ||
+        !codes_o.has_value() || !absmax_o.has_value()) {
+      return ffi::Error::InvalidArgument("requantize_ema: operand of the wrong type");
+    }
+    const auto dims = codes->dimensions();
+    if (dims.size() != 2) return ffi::Error::InvalidArgument("codes must be (n_blocks, B)");
+    if (k == 0) {
+      n_blocks = dims[0];
+      block = dims[1];
+    } else if (dims[0] != n_blocks || dims[1] != block) {
+      return ffi::Error::InvalidArgument("requantize_ema: moments differ in block layout");
+    }
+    if (static_cast<int64_t>(absmax->element_count()) != n_blocks) {
+      return ffi::Error::InvalidArgument("requantize_ema: absmax must be (n_blocks,)");
+    }
+    if (qmap->element_count() != 256 || table->element_count() < kHeader) {
+      return ffi::Error::InvalidArgument("requantize_ema: bad encoder table");
+    }
+    const int32_t* t = table->typed_data();
+    enc[k].qmap = qmap->typed_data();
+    enc[k].shift = t[0];
+    enc[k].first = t[1];
+    enc[k].n = t[2];
+    enc[k].lo = t[3] ? -1.0f : 0.0f;
+    enc[k].entries = t + kHeader;
+    if (enc[k].shift < 1 || enc[k].shift > 23 || enc[k].n < 1 ||
+        table->element_count() != static_cast<size_t>(kHeader + 2 * enc[k].n)) {
+      return ffi::Error::InvalidArgument("requantize_ema: bad encoder table");
+    }
+    codes_in[k] = codes->typed_data();
+    absmax_in[k] = absmax->typed_data();
+    codes_out[k] = (*codes_o)->typed_data();
+    absmax_out[k] = (*absmax_o)->typed_data();
+  }
+  const int64_t size = static_cast<int64_t>(g.element_count());
+  if (size > n_blocks * block || size <= (n_blocks - 1) * block) {
+    return ffi::Error::InvalidArgument("requantize_ema: gradient size does not fit the blocks");
+  }
+  if (coef.element_count() != 5) {
+    return ffi::Error::InvalidArgument("requantize_ema: coef must have 5 entries");
+  }
+  const float* c = coef.typed_data();
+  const float* gd = g.typed_data();
+  const int powers[2] = {static_cast<int>(power0), static_cast<int>(power1)};
+  const int64_t blocks_per_task = std::max<int64_t>(1, kTaskElements / block);
+  const int64_t n_tasks = (n_blocks + blocks_per_task - 1) / blocks_per_task;
+  const int b = static_cast<int>(block);
+
+  auto work = [&](int64_t task) {
+    std::vector<float> values(static_cast<size_t>(n_moments * block));
+    const int64_t first = task * blocks_per_task;
+    const int64_t last = std::min(n_blocks, first + blocks_per_task);
+    for (int64_t blk = first; blk < last; ++blk) {
+      const int64_t off = blk * block;
+      const int valid = static_cast<int>(std::min<int64_t>(block, size - off));
+      for (int64_t k = 0; k < n_ema; ++k) {
+        EmaBlock(gd + off, codes_in[k] + off, enc[k].qmap, absmax_in[k][blk], c[2 * k],
+                 c[2 * k + 1], powers[k], valid, b, values.data() + k * block);
+      }
+      if (has_max) {
+        MaxBlock(values.data() + block, codes_in[2] + off, enc[2].qmap, absmax_in[2][blk],
+                 static_cast<int>(max_divide), c[4], valid, b, values.data() + 2 * block);
+      }
+      // All inputs of this block are read before any output is written, so the outputs
+      // may alias the inputs (the state is updated in place).
+      for (int64_t k = 0; k < n_moments; ++k) {
+        QuantizeBlock(values.data() + k * block, enc[k], b, codes_out[k] + off,
+                      absmax_out[k] + blk);
+      }
+    }
+  };
+  ParallelFor(pool, n_tasks, work);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// The one exported symbol (the library is built with hidden visibility).
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* OdRequantizeEma(
+    XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdRequantizeEma, RequantizeEmaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gradient, any shape
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // coefficients
+                                  .RemainingArgs()  // (map, table, codes, absmax)...
+                                  .RemainingRets()              // (codes, absmax)...
+                                  .Attr<int64_t>("n_ema")
+                                  .Attr<int64_t>("has_max")
+                                  .Attr<int64_t>("max_divide")
+                                  .Attr<int64_t>("power0")
+                                  .Attr<int64_t>("power1"));

@@ -1,0 +1,96 @@
+r"""The element-wise moment updates of the transforms, as data.
+
+Adam, AMSGrad and Lion update their moments with exponential moving averages of the
+gradient (or its square) and, for AMSGrad, a running maximum. :class:`EmaMoments` describes
+such an update by its coefficients. Calling it computes the update with ``jax.numpy``
+(exactly the expressions the transforms always used); a storage that recognises it may
+instead run a compiled kernel for it: 8-bit storage does on CPU
+(:mod:`optax_decoupled.cpu_kernel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EmaMoments:
+    r"""``(m_1, ..., m_n[, m_max]), g -> (m'_1, ..., m'_n[, m'_max])``, element-wise:
+
+    .. math::
+
+        m'_k = (1 - \beta_k)\, g^{p_k} + \beta_k\, m_k, \qquad
+        m'_{max} = \max\!\big(m_{max},\; m'_2 / d\big)
+
+    with :math:`p_k \in \{1, 2\}` and the running maximum (AMSGrad's :math:`\nu^{max}`) over
+    the second moment divided by ``max_divisor`` :math:`d` (``None``: no division). Adam:
+    ``EmaMoments((b1, b2), (1, 2))``; AMSGrad adds ``running_max=True``; Lion:
+    ``EmaMoments((b2,), (1,))``. Coefficients may be Python floats or traced scalars
+    (``optax.inject_hyperparams``).
+
+    Attributes:
+      decays: :math:`\beta_k`, one per averaged moment (one or two).
+      powers: :math:`p_k`, ``1`` (the gradient) or ``2`` (its square), one per decay.
+      running_max: whether a last moment keeps the running maximum of :math:`m'_2`.
+      max_divisor: :math:`d` (e.g. the bias correction :math:`1-\beta_2^t`), or ``None``.
+    """
+
+    decays: tuple[Any, ...]
+    powers: tuple[int, ...]
+    running_max: bool = False
+    max_divisor: Any = None
+
+    def __post_init__(self):
+        if len(self.decays) != len(self.powers) or not 1 <= len(self.decays) <= 2:
+            raise ValueError("`decays` and `powers` must have one or two entries each.")
+        if any(p not in (1, 2) for p in self.powers):
+            raise ValueError(f"`powers` must be 1 or 2, got {self.powers!r}.")
+        if self.running_max and len(self.decays) != 2:
+            raise ValueError("`running_max` needs two averaged moments (it follows the second).")
+
+    def split_dynamic(self) -> tuple[tuple[jax.Array, ...], Any]:
+        """``(arrays, rebuild)``: the coefficients that are arrays (traced or not), and a
+        function that returns this update with them replaced by the given values. Python
+        numbers stay in place (so ``1 - beta`` is still computed in Python, as before)."""
+        values = (*self.decays, self.max_divisor)
+        where = [i for i, v in enumerate(values) if v is not None and not _is_number(v)]
+        arrays = tuple(jnp.asarray(values[i]) for i in where)
+
+        def rebuild(new_arrays):
+            new = list(values)
+            for i, a in zip(where, new_arrays, strict=True):
+                new[i] = a
+            return dataclasses.replace(self, decays=tuple(new[:-1]), max_divisor=new[-1])
+
+        return arrays, rebuild
+
+    @property
+    def num_stored(self) -> int:
+        """How many stored moments the update reads and writes."""
+        return len(self.decays) + int(self.running_max)
+
+    def __call__(self, *args: jax.Array) -> tuple[jax.Array, ...]:
+        *stored, g = args
+        if len(stored) != self.num_stored:
+            raise ValueError(f"expected {self.num_stored} moments and a gradient.")
+        gc = g.astype(stored[0].dtype)
+        new = []
+        for beta, power, m in zip(self.decays, self.powers, stored, strict=False):
+            source = gc if power == 1 else gc * gc
+            new.append((1 - beta) * source + beta * m)
+        if self.running_max:
+            seen = new[1]
+            if self.max_divisor is not None:
+                seen = seen / jnp.asarray(self.max_divisor).astype(seen.dtype)
+            new.append(jnp.maximum(stored[-1], seen))
+        return tuple(new)
+
+
+def _is_number(x: Any) -> bool:
+    """A Python or NumPy scalar (kept as it is: jnp computes with it as the transforms did)."""
+    return isinstance(x, int | float | np.number) and not isinstance(x, bool)

@@ -1,0 +1,278 @@
+"""The compiled CPU kernel for 8-bit moment updates (`optax_decoupled.cpu_kernel`).
+
+References: a NumPy float32 implementation of dequantize -> moving averages -> block absmax
+-> nearest code (the formula as written, multiplies and adds rounded separately, codes from
+the lookup tables of `quantization._tables`), which the kernel must match bit for bit; and
+XLA's own program (`quantize_blocks`) for the encoder alone, on every float32 near every
+decision point of both maps.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_decoupled as od
+from optax_decoupled import cpu_kernel
+from optax_decoupled import quantization as Q
+from optax_decoupled.moment_updates import EmaMoments
+from optax_decoupled.storage import BlockwiseInt8Storage
+
+NO_KERNEL = os.environ.get("OPTAX_DECOUPLED_NO_KERNEL") == "1"
+needs_kernel = pytest.mark.skipif(
+    NO_KERNEL, reason="OPTAX_DECOUPLED_NO_KERNEL=1: package built without the CPU kernel"
+)
+
+
+def test_kernel_is_built():
+    """The test command builds the package from source with a C++ compiler, so the kernel
+    must be there (a silently missing kernel would leave the XLA loop everywhere)."""
+    if NO_KERNEL:
+        assert not cpu_kernel.available()
+        return
+    assert cpu_kernel.available(), cpu_kernel.unavailable_reason()
+
+
+# --- NumPy reference ----------------------------------------------------------------------
+
+
+def _np_encode(y, signed):
+    """Codes of float32 values y in the map's range: `quantize_normalized` in NumPy."""
+    t = Q._tables(signed)
+    y = np.asarray(y, np.float32)
+    bits = y.view(np.uint32)
+    neg = (bits >> 31).astype(np.int64)
+    mag = bits & np.uint32(0x7FFFFFFF)
+    n = t.code_pair.shape[1]
+    index = np.minimum((mag >> t.shift).astype(np.int64), n - 1) + neg * n
+    below = (t.code_pair.reshape(-1) & 0xFF)[index]
+    above = mag.view(np.float32) > t.threshold.reshape(-1)[index]
+    return (below + np.where(above, 1 - 2 * neg, 0)).astype(np.uint8)
+
+
+def _np_quantize_blocks(x, signed):
+    """`quantize_blocks` in NumPy float32 (true division, as the formula is written)."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        absmax = np.max(np.abs(x), axis=-1)
+        absmax = np.where(np.isnan(absmax), absmax, np.minimum(absmax, np.finfo(np.float32).max))
+        factor = np.where(absmax > 2.0**100, 2.0**-64, np.where(absmax < 2.0**-100, 2.0**64, 1.0))
+        factor = factor.astype(np.float32)
+        scale = np.where(absmax > 0, absmax * factor, np.float32(1)).astype(np.float32)
+        y = (x * factor[:, None]) / scale[:, None]
+        lo = np.float32(-1 if signed else 0)
+        y = np.where(np.isnan(y), y, np.minimum(np.maximum(y, lo), np.float32(1)))
+    return _np_encode(y, signed), absmax.astype(np.float32)
+
+
+def _np_update(update, stored, g, size):
+    """The kernel's computation in NumPy float32: per block, dequantize, average, requantize."""
+    g = np.asarray(g, np.float32).reshape(-1)
+    n_blocks, block = stored[0].codes.shape
+    g = np.pad(g, (0, n_blocks * block - size)).reshape(n_blocks, block)
+    valid = (np.arange(n_blocks * block) < size).reshape(n_blocks, block)
+    old = [
+        Q.dynamic_map(q.signed)[np.asarray(q.codes)] * np.asarray(q.absmax)[:, None] for q in stored
+    ]
+    new = []
+    with np.errstate(invalid="ignore", over="ignore"):
+        for beta, power, m in zip(update.decays, update.powers, old, strict=False):
+            c_in, c_keep = np.float32(1 - beta), np.float32(beta)
+            source = g if power == 1 else g * g
+            new.append(np.where(valid, (c_in * source) + (c_keep * m), np.float32(0)))
+        if update.running_max:
+            seen = new[1]
+            if update.max_divisor is not None:
+                seen = seen / np.float32(update.max_divisor)
+            prev = old[2]
+            keep = (prev > seen) | np.isnan(prev)
+            new.append(np.where(valid, np.where(keep, prev, seen), np.float32(0)))
+    return [_np_quantize_blocks(v, q.signed) for v, q in zip(new, stored, strict=True)]
+
+
+def _assert_equal_to_numpy(got, want):
+    for q, (codes, absmax) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(q.absmax), absmax)
+        np.testing.assert_array_equal(np.asarray(q.codes), codes)
+
+
+# --- The encoder --------------------------------------------------------------------------
+
+
+def _near_every_decision_point(signed, ulps=4096):
+    """Every float32 within `ulps` ulps of every decision point of the map, both signs
+    (signed map), plus 0, -0, 1, -1, the smallest values and NaN."""
+    t = Q._tables(signed)
+    points = np.unique(t.threshold[np.isfinite(t.threshold)])
+    bits = points.view(np.int32)[:, None] + np.arange(-ulps, ulps + 1, dtype=np.int32)[None]
+    values = np.unique(bits.reshape(-1)).view(np.float32)
+    values = values[(values >= 0) & (values <= 1)]
+    extra = np.array([0.0, 1.0, 1e-45, 1e-38, 1e-7, np.nan], np.float32)
+    values = np.concatenate([values, extra])
+    if signed:
+        values = np.concatenate([values, -values, [-0.0]]).astype(np.float32)
+    return values
+
+
+@needs_kernel
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_encoder_equals_the_table_lookup_near_every_decision_point(signed):
+    """Blocks whose absmax is 1 (one element is 1.0), so that x / absmax = x exactly and the
+    codes are those of the normalized values; compared with XLA's table lookup
+    (`quantize_blocks`) and with the NumPy one."""
+    values = _near_every_decision_point(signed)
+    block = 256
+    per_block = block - 1
+    n_blocks = -(-values.size // per_block)
+    padded = np.zeros(n_blocks * per_block, np.float32)
+    padded[: values.size] = values
+    x = np.concatenate([np.ones((n_blocks, 1), np.float32), padded.reshape(n_blocks, -1)], 1)
+    zeros = Q.QuantizedArray(
+        jnp.full((n_blocks, block), Q._tables(signed).code_pair[0, 0] & 0xFF, jnp.uint8),
+        jnp.zeros((n_blocks,), jnp.float32),
+        signed,
+    )
+    # beta = 0: the new moment is the "gradient" itself.
+    (got,) = jax.jit(lambda q, g: cpu_kernel.requantize_ema(EmaMoments((0.0,), (1,)), (q,), g))(
+        zeros, jnp.asarray(x.reshape(-1))
+    )
+    want = jax.jit(lambda v: Q.quantize_blocks(v, signed=signed))(jnp.asarray(x))
+    nan_blocks = np.isnan(x).any(axis=1)
+    np.testing.assert_array_equal(np.asarray(got.absmax)[~nan_blocks], 1.0)
+    np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes))
+    np.testing.assert_array_equal(np.asarray(got.codes), _np_encode(x, signed))
+
+
+# --- The whole update ---------------------------------------------------------------------
+
+
+def _state(shape, block, key):
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(key), 4)
+    mu = Q.quantize(0.1 * jax.random.normal(k1, shape), signed=True, block_size=block)
+    nu = Q.quantize(jax.random.uniform(k2, shape) ** 4, signed=False, block_size=block)
+    nu_max = Q.quantize(jax.random.uniform(k3, shape) ** 3, signed=False, block_size=block)
+    size = int(np.prod(shape))
+    g = jax.random.normal(k4, shape) * jnp.logspace(-6, 1, size).reshape(shape)
+    return mu, nu, nu_max, g
+
+
+UPDATES = {
+    "adam": (EmaMoments((0.9, 0.999), (1, 2)), 2),
+    "amsgrad": (EmaMoments((0.9, 0.999), (1, 2), running_max=True), 3),
+    "amsgrad-divided": (
+        EmaMoments((0.9, 0.999), (1, 2), running_max=True, max_divisor=0.0123),
+        3,
+    ),
+    "lion": (EmaMoments((0.99,), (1,)), 1),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(UPDATES))
+@pytest.mark.parametrize(
+    "shape, block",
+    [
+        ((300, 1001), 256),  # ragged: the last block is padded; several threads' tasks
+        ((64, 1024), 2048),  # the paper's block size
+        ((100,), 256),  # one padded block
+    ],
+)
+def test_update_equals_numpy(name, shape, block):
+    update, k = UPDATES[name]
+    mu, nu, nu_max, g = _state(shape, block, key=len(name))
+    stored = (mu, nu, nu_max)[:k]
+    got = jax.jit(lambda s, g: cpu_kernel.requantize_ema(update, s, g))(stored, g)
+    _assert_equal_to_numpy(got, _np_update(update, stored, g, int(np.prod(shape))))
+
+
+@needs_kernel
+def test_extreme_values_equal_numpy():
+    """Zeros, tiny and huge gradients, +-inf and NaN in their own blocks and mixed."""
+    block = 256
+    pieces = [
+        np.zeros(block),
+        np.full(block, 1e-30),
+        np.full(block, 1e30),
+        np.full(block, 1e-45),
+        np.r_[np.inf, -np.inf, np.ones(block - 2)],
+        np.r_[np.nan, np.ones(block - 1)],
+        np.linspace(-1e20, 1e-20, block),
+    ]
+    g = jnp.asarray(np.concatenate(pieces).astype(np.float32))
+    shape = g.shape
+    mu, nu, nu_max, _ = _state(shape, block, key=3)
+    update, k = UPDATES["amsgrad"]
+    stored = (mu, nu, nu_max)[:k]
+    got = jax.jit(lambda s, g: cpu_kernel.requantize_ema(update, s, g))(stored, g)
+    want = _np_update(update, stored, g, g.size)
+    for q, (codes, absmax) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(q.absmax), absmax)  # NaN == NaN here
+        finite = np.isfinite(absmax)
+        np.testing.assert_array_equal(np.asarray(q.codes)[finite], codes[finite])
+    assert np.all(np.asarray(Q.dequantize(got[1], shape))[: -2 * block] >= 0)
+
+
+@needs_kernel
+def test_traced_coefficients_and_vmap():
+    """Coefficients as traced arrays (inject_hyperparams) and a vmapped batch of states
+    (one kernel call per item) give the per-item NumPy results."""
+    shape, block = (40, 300), 256
+    parts = [_state(shape, block, key=k) for k in range(3)]
+    mu = jax.tree.map(lambda *x: jnp.stack(x), *[p[0] for p in parts])
+    nu = jax.tree.map(lambda *x: jnp.stack(x), *[p[1] for p in parts])
+    g = jnp.stack([p[3] for p in parts])
+    b1 = jnp.float32(0.8)
+
+    def one(mu, nu, g, b1):
+        return cpu_kernel.requantize_ema(EmaMoments((b1, 0.99), (1, 2)), (mu, nu), g)
+
+    got = jax.jit(jax.vmap(one, in_axes=(0, 0, 0, None)))(mu, nu, g, b1)
+    for i, p in enumerate(parts):
+        want = _np_update(
+            EmaMoments((np.float32(0.8), 0.99), (1, 2)), (p[0], p[1]), p[3], int(np.prod(shape))
+        )
+        _assert_equal_to_numpy(jax.tree.map(lambda x, i=i: x[i], got), want)
+
+
+@needs_kernel
+def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
+    params = {"w": jnp.ones((300, 1001))}
+    tx = od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype="int8")
+    state = tx.init(params)
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+    assert cpu_kernel.TARGET in compiled.as_text()
+    # The kernel writes the codes and scales in place; XLA keeps a copy of the old ones for
+    # the transform's output (computed from them, fused into the parameter update), and
+    # nothing else: no float32 array of the parameter's size.
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= state_bytes + 4096, (temp, state_bytes)
+    assert temp < params["w"].nbytes
+    for platform in ("cuda", "tpu"):
+        lowered = jax.jit(step).trace(params, state, params).lower(lowering_platforms=(platform,))
+        assert cpu_kernel.TARGET not in lowered.as_text()
+    loop = BlockwiseInt8Storage(cpu_kernel=False)
+    off = od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype=loop)
+    text = jax.jit(lambda p, s, g: off.update(g, s, p)).lower(params, off.init(params), params)
+    assert cpu_kernel.TARGET not in text.as_text()
+
+
+def test_encoder_table_layout():
+    """The packed table holds the lookup table of quantize_normalized from `first` on; every
+    entry dropped below it equals entry `first`."""
+    for signed in (True, False):
+        t = Q._tables(signed)
+        table = cpu_kernel.encoder_table(signed)
+        shift, first, n, sgn = table[:4]
+        assert shift == t.shift and n == t.code_pair.shape[1] - first and sgn == int(signed)
+        entries = table[8:].reshape(2, n)
+        np.testing.assert_array_equal(entries & 0xFF, t.code_pair[:, first:] & 0xFF)
+        assert np.all((t.code_pair[:, :first] & 0xFF) == (t.code_pair[:, first : first + 1] & 0xFF))

@@ -95,6 +95,10 @@ CASES: dict[str, Case] = {
         "8-bit storage with `min_size` < 0",
         lambda: storage.BlockwiseInt8Storage(min_size=-1),
     ),
+    "int8-cpu-kernel": Case(
+        "8-bit storage with `cpu_kernel` not a bool",
+        lambda: storage.BlockwiseInt8Storage(cpu_kernel="yes"),
+    ),
     "schedule-without-peak": Case(
         '`decay_convention="schedule"` or `"corrected"` with a scheduled or traced learning rate '
         "and no `peak_learning_rate`",
@@ -185,6 +189,7 @@ DOCUMENTED = [
     r"^`state_dtype` must be None \(the parameter dtype\)",
     r"^`block_size` must be a positive int",
     r"^`min_size` must be a non-negative int",
+    r"^`cpu_kernel` must be True or False",
     r"^convention='\w+' divides by the peak learning rate",
     r"^`peak_learning_rate` must be a number or an array, not a schedule",
     r"^convention='\w+' needs `learning_rate`",

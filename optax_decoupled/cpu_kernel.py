@@ -154,6 +154,8 @@ def applies(update: Any, stored: tuple[Any, ...], operands: tuple[Any, ...], dty
     arithmetic and gradient, and 2-D codes (inside ``vmap`` the batch is unstacked)."""
     if not isinstance(update, moment_updates.EmaMoments) or not available():
         return False
+    if in_manual_context(*operands, *(q.codes for q in stored)):
+        return False  # inside shard_map: XLA's loop (see in_manual_context)
     if len(stored) != update.num_stored or len(operands) != 1:
         return False
     if jnp.dtype(dtype) != jnp.float32 or jnp.result_type(operands[0]) != jnp.float32:
@@ -263,6 +265,24 @@ def _flat(fn, in_tree):
 def _dispatch_abstract_eval(*avals, single, partitioned, out_avals):
     del avals, single, partitioned
     return list(out_avals)
+
+
+def in_manual_context(*arrays: Any) -> bool:
+    """Whether this is traced inside ``shard_map`` (manual mesh axes), where
+    :func:`single_device_or` is not used (its results would lack the manual-axis types that
+    ``shard_map`` tracks): the abstract mesh has manual axes, or an argument varies over one.
+    """
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    if get_mesh is not None and getattr(get_mesh(), "manual_axes", ()):
+        return True
+    for x in arrays:
+        aval = jax.typeof(x) if hasattr(jax, "typeof") else None
+        varying = getattr(aval, "vma", None)
+        if varying is None:
+            varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+        if varying:
+            return True
+    return False
 
 
 def _dispatch_impl(*args, **params):

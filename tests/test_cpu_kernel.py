@@ -276,3 +276,29 @@ def test_encoder_table_layout():
         entries = table[8:].reshape(2, n)
         np.testing.assert_array_equal(entries & 0xFF, t.code_pair[:, first:] & 0xFF)
         assert np.all((t.code_pair[:, :first] & 0xFF) == (t.code_pair[:, first : first + 1] & 0xFF))
+
+
+@needs_kernel
+def test_inside_shard_map_the_loop_is_used():
+    """The experiments train grids of configurations with a shard_map over devices; there
+    the update takes XLA's loop (its results carry shard_map's manual-axis types), and
+    equals the single-device run, which calls the kernel, up to float32 rounding."""
+    P = jax.sharding.PartitionSpec
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("configs",))
+    tx = od.adamw(1e-2, weight_decay=0.1, mask=None, state_dtype=BlockwiseInt8Storage(min_size=0))
+
+    def train(p):
+        s = tx.init(p)
+        for i in range(3):
+            u, s = tx.update(jnp.sin(p * (i + 1.0)), s, p)
+            p = optax.apply_updates(p, u)
+        return p
+
+    batch = jnp.stack([jnp.linspace(-1, 1, 8 * 512).reshape(8, 512) * k for k in (1, 2)])
+    sharded = jax.jit(
+        jax.shard_map(jax.vmap(train), mesh=mesh, in_specs=P("configs"), out_specs=P("configs"))
+    )
+    assert cpu_kernel.TARGET not in sharded.lower(batch).as_text()
+    single = jax.jit(jax.vmap(train))
+    assert cpu_kernel.TARGET in single.lower(batch).as_text()
+    np.testing.assert_allclose(sharded(batch), single(batch), rtol=0, atol=1e-6)

@@ -51,6 +51,7 @@ def environment() -> dict[str, Any]:
     import optax
 
     import optax_decoupled
+    from optax_decoupled import cpu_kernel
 
     devices = jax.devices()
     return {
@@ -63,6 +64,8 @@ def environment() -> dict[str, Any]:
         "devices": [str(d) for d in devices],
         "device_kind": devices[0].device_kind,
         "cpu_count": os.cpu_count(),
+        # Whether 8-bit state may use the compiled CPU kernel (optax_decoupled.cpu_kernel).
+        "cpu_kernel": cpu_kernel.available(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -244,7 +247,8 @@ def run_report(
         f"# optax-decoupled report ({scale} scale)\n\n"
         f"optax-decoupled {env['optax_decoupled']}, JAX {env['jax']} (jaxlib {env['jaxlib']}), "
         f"Optax {env['optax']}, Python {env['python']}; device: {env['device_kind']} "
-        f"({env['backend']}, {len(env['devices'])} device(s)), {env['cpu_count']} CPU cores; "
+        f"({env['backend']}, {len(env['devices'])} device(s)), {env['cpu_count']} CPU cores, "
+        f"8-bit CPU kernel {'built' if env['cpu_kernel'] else 'not built'}; "
         f"generated {env['date']}.\n\n"
         "Every number and figure below was measured by this run (or, where marked, by an "
         "earlier run of the same scale that this one resumed). Machine-readable results: "

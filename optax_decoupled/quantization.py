@@ -425,8 +425,8 @@ def requantize(
       Lion), the arithmetic is float32 and the kernel is built
       (:func:`optax_decoupled.cpu_kernel.available`), one multi-threaded C++ call does the
       whole update (:mod:`optax_decoupled.cpu_kernel`), in programs compiled for one device
-      (XLA cannot partition the call; sharded programs take the loop below).
-      ``kernel=False`` turns this off.
+      and outside ``shard_map`` (XLA cannot partition the call; sharded programs take the
+      loop below). ``kernel=False`` turns this off.
     * **CPU, otherwise**: a loop over chunks of ``chunk_elements`` (default :data:`CHUNK_ELEMENTS`)
       whole blocks. Each chunk is decoded, updated, reduced to its blocks' absmax and encoded
       while it is in cache, so no float32 array of the parameter's size is ever written. On

@@ -11,18 +11,20 @@ XLA's intra-op threads. XLA's own program for this runs as a loop on one core
 
 The kernel computes what :func:`~optax_decoupled.quantization.dequantize`, the update and
 :func:`~optax_decoupled.quantization.quantize` compute, in float32, in the order ``jnp``
-writes it (no fused multiply-adds), with the exact nearest-code rounding of
-:func:`~optax_decoupled.quantization.quantize_normalized`. It finds the code without a table
-indexed by the float's bits: the map's decision points (midpoints between neighbouring map
-values) are equally spaced within each decade, so a linear estimate plus one comparison with
-the exact decision point gives the rank (:func:`encoder_table` builds the constants and checks
-the assumptions). ``tests/test_cpu_kernel.py`` checks the encoder on every float32 within 4096
-ulps of every decision point and the whole update against the XLA path.
+writes it with every multiply and add rounded (no fused multiply-adds), and finds the codes
+with the lookup table of :func:`~optax_decoupled.quantization.quantize_normalized`, packed
+(:func:`encoder_table`): the exact nearest codes. ``tests/test_cpu_kernel.py`` checks the
+whole update bit for bit against a NumPy float32 reference, and the encoder against XLA's
+on every float32 within 4096 ulps of every decision point of both maps.
+
+Only programs compiled for one device call the kernel: XLA cannot partition a custom call,
+so :func:`single_device_or` chooses when the program is lowered, and sharded programs (and
+``shard_map`` bodies, :func:`in_manual_context`) keep XLA's loop.
 
 If the extension was not built (no C++ compiler at install time) or cannot be loaded,
-:func:`available` is ``False`` and 8-bit storage uses XLA's chunk loop, with the same results.
-``BlockwiseInt8Storage(cpu_kernel=False)`` chooses the XLA loop explicitly. GPUs and TPUs
-never use the kernel.
+:func:`available` is ``False`` and 8-bit storage uses XLA's chunk loop (the same results up
+to float32 rounding). ``BlockwiseInt8Storage(cpu_kernel=False)`` chooses the XLA loop
+explicitly. GPUs and TPUs never use the kernel.
 """
 
 from __future__ import annotations

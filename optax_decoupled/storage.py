@@ -217,8 +217,7 @@ class BlockwiseInt8Storage:
 
         Quantized moments go through :func:`optax_decoupled.quantization.requantize`
         (on CPU the compiled kernel or a chunk loop; on a mesh with Explicit axes, whole
-        arrays). Float32 moments of small
-        parameters take the plain read-compute-write.
+        arrays). Float32 moments of small parameters take the plain read-compute-write.
         """
         if not all(isinstance(s, quant_lib.QuantizedArray) for s in stored):
             return _read_compute_write(self, fn, stored, operands, like, signed)

@@ -27,6 +27,14 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """The kernel is a CPU kernel: on a machine with an accelerator these tests still run
+    their programs on the CPU."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def test_kernel_is_built():
     """The test command builds the package from source with a C++ compiler, so the kernel
     must be there (a silently missing kernel would leave the XLA loop everywhere)."""

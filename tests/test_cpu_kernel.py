@@ -310,3 +310,26 @@ def test_inside_shard_map_the_loop_is_used():
     single = jax.jit(jax.vmap(train))
     assert cpu_kernel.TARGET in single.lower(batch).as_text()
     np.testing.assert_allclose(sharded(batch), single(batch), rtol=0, atol=1e-6)
+
+
+def test_without_the_extension_the_xla_loop_is_used(monkeypatch):
+    """A package built without a C++ compiler has no extension: `available()` is False with
+    a reason, and 8-bit optimizers run XLA's loop."""
+    monkeypatch.setattr(cpu_kernel, "_library_path", lambda: None)
+    cpu_kernel._register.cache_clear()
+    try:
+        assert not cpu_kernel.available()
+        assert "not built" in cpu_kernel.unavailable_reason()
+        params = {"w": jnp.ones((600, 256))}  # 600 blocks: more than one chunk of the loop
+        tx = od.adamw(1e-2, weight_decay=0.1, mask=None, state_dtype="int8")
+        state = tx.init(params)
+        step = jax.jit(lambda p, s: tx.update(jax.tree.map(jnp.sin, p), s, p))
+        lowered = step.lower(params, state).as_text()
+        assert cpu_kernel.TARGET not in lowered
+        assert "stablehlo.while" in lowered
+        updates, _ = step(params, state)
+        assert np.all(np.isfinite(np.asarray(updates["w"])))
+    finally:
+        monkeypatch.undo()
+        cpu_kernel._register.cache_clear()
+    assert cpu_kernel.available() or NO_KERNEL

@@ -7,7 +7,6 @@ a C++ compiler the build goes on without it and 8-bit state uses XLA's own progr
 """
 
 import os
-import platform
 
 from setuptools import Extension, setup
 
@@ -31,8 +30,6 @@ def _extensions():
     flags += ["-fno-math-errno", "-fno-trapping-math"]
     # Multiply and add separately, as jnp writes them (a fused multiply-add rounds once).
     flags.append("-ffp-contract=off")
-    if platform.system() == "Darwin":
-        flags.append("-mmacosx-version-min=10.15")
     return [
         Extension(
             "optax_decoupled._requantize_cpu",

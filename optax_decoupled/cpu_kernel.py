@@ -167,9 +167,6 @@ def applies(update: Any, stored: tuple[Any, ...], operands: tuple[Any, ...], dty
     coefficients = [*update.decays]
     if update.max_divisor is not None:
         coefficients.append(update.max_divisor)
-    ones = [1 - b if isinstance(b, int | float) else None for b in update.decays]
-    if any(o is not None and _f32_coefficient(o) is None for o in ones):
-        return False
     return all(_f32_coefficient(c) is not None for c in coefficients)
 
 
@@ -238,14 +235,16 @@ _dispatch_p = jex_core.Primitive("optax_decoupled_single_device_or")
 _dispatch_p.multiple_results = True
 
 
-def single_device_or(single: Any, partitioned: Any, *args: Any) -> Any:
+def single_device_or(single: Any, partitioned: Any, *args: Any, out_like: Any = None) -> Any:
     """``single(*args)`` in a program compiled for one device, else ``partitioned(*args)``.
 
-    Both must return the same pytree of arrays. The choice is made when the surrounding
-    ``jit`` is lowered (eagerly, by a ``jit`` of this call on the arguments' devices).
+    Both must return the same pytree of arrays: shaped like ``out_like`` (a pytree of arrays
+    or ``jax.ShapeDtypeStruct``) when it is given, else found by tracing ``partitioned``. The
+    choice is made when the surrounding ``jit`` is lowered (eagerly, by a ``jit`` of this call
+    on the arguments' devices).
     """
     leaves, in_tree = jax.tree.flatten(args)
-    out = jax.eval_shape(partitioned, *args)
+    out = jax.eval_shape(partitioned, *args) if out_like is None else out_like
     out_leaves, out_tree = jax.tree.flatten(out)
     out_avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out_leaves)
     outs = _dispatch_p.bind(

@@ -486,7 +486,8 @@ def requantize(
 
         def on_cpu(*args):
             # The kernel cannot be partitioned: programs for several devices keep the loop.
-            return cpu_kernel.single_device_or(compiled, loop, *args)
+            # The results are shaped like the stored moments (no need to trace the loop).
+            return cpu_kernel.single_device_or(compiled, loop, *args, out_like=args[: len(stored)])
 
         def default(*args):
             return whole_with(rebuild(args[n_in:]), *args)

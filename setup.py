@@ -7,8 +7,17 @@ a C++ compiler the build goes on without it and 8-bit state uses XLA's own progr
 """
 
 import os
+import tempfile
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+#: Flags that only tune instruction choice and scheduling for the CPU that builds the package
+#: (where pip installs it, as a rule). They change no result and no instruction set: the
+#: kernel's target clones still pick AVX-512, AVX2 or baseline code at run time. On Zen 4,
+#: -mtune=native makes the kernel about 9% faster (docs/memory.md). Kept only where the
+#: compiler accepts them.
+TUNING_FLAGS = ["-mtune=native"]
 
 
 def _ffi_include_dir():
@@ -42,4 +51,26 @@ def _extensions():
     ]
 
 
-setup(ext_modules=_extensions())
+def _compiler_accepts(compiler, flag):
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "flag_check.cc")
+        with open(source, "w") as f:
+            f.write("int main() { return 0; }\n")
+        try:
+            compiler.compile([source], output_dir=tmp, extra_postargs=[flag])
+        except Exception:  # noqa: BLE001 - any failure: leave the flag out
+            return False
+    return True
+
+
+class _BuildExt(build_ext):
+    """build_ext that adds the TUNING_FLAGS this compiler accepts."""
+
+    def build_extensions(self):
+        tuning = [f for f in TUNING_FLAGS if _compiler_accepts(self.compiler, f)]
+        for ext in self.extensions:
+            ext.extra_compile_args = list(ext.extra_compile_args) + tuning
+        super().build_extensions()
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": _BuildExt})

@@ -7,7 +7,9 @@ extension compiled against the XLA FFI headers that jaxlib ships). Per block of 
 elements it decodes the stored codes, applies the moving averages, takes the new absmax and
 encodes the new values, reading and writing each block once, with the blocks spread over
 XLA's intra-op threads. XLA's own program for this runs as a loop on one core
-(``docs/memory.md``, Speed).
+(``docs/memory.md``, Speed). On x86-64 CPUs with AVX-512 the kernel decodes the codes with
+register permutes (the 256-entry map held in 16 registers), chosen at run time
+(:func:`uses_avx512`); elsewhere, loops the compiler vectorized, with the same values.
 
 The kernel computes what :func:`~optax_decoupled.quantization.dequantize`, the update and
 :func:`~optax_decoupled.quantization.quantize` compute, in float32, in the order ``jnp``
@@ -53,6 +55,12 @@ _SYMBOL = "OdRequantizeEma"
 _HEADER = 8
 
 _load_error: str | None = None
+_lib: ctypes.CDLL | None = None
+
+#: Whether kernel calls traced from now on use only the portable loops, not the AVX-512
+#: decode that the kernel picks at run time on CPUs with AVX-512 (for tests: both give the
+#: same values).
+PORTABLE_ONLY = False
 
 
 def _library_path() -> pathlib.Path | None:
@@ -67,7 +75,7 @@ def _library_path() -> pathlib.Path | None:
 @functools.lru_cache(maxsize=1)
 def _register() -> bool:
     """Loads the compiled library and registers its FFI target for the CPU (once)."""
-    global _load_error
+    global _load_error, _lib
     ffi = getattr(jax, "ffi", None)
     if ffi is None or not hasattr(ffi, "ffi_call"):
         _load_error = f"jax {jax.__version__} has no jax.ffi.ffi_call"
@@ -82,12 +90,22 @@ def _register() -> bool:
     except Exception as e:  # noqa: BLE001 - any failure means: use the XLA path
         _load_error = f"loading {path.name} failed: {e!r}"
         return False
+    _lib = lib
     return True
 
 
 def available() -> bool:
     """Whether the compiled CPU kernel is built and registered with XLA."""
     return _register()
+
+
+def uses_avx512() -> bool:
+    """Whether the kernel decodes the stored codes with AVX-512 register permutes on this
+    CPU (an x86-64 CPU with AVX-512F; elsewhere the compiler-vectorized loops, with the same
+    values). ``False`` when the kernel is not available."""
+    if not _register() or _lib is None:
+        return False
+    return bool(_lib.OdUsesAvx512())
 
 
 def unavailable_reason() -> str | None:
@@ -216,6 +234,7 @@ def requantize_ema(
         max_divide=np.int64(divisor is not None),
         power0=np.int64(powers[0]),
         power1=np.int64(powers[1]),
+        portable=np.int64(PORTABLE_ONLY),
     )
     return tuple(
         quant_lib.QuantizedArray(outs[2 * k], outs[2 * k + 1], q.signed)

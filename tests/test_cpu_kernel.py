@@ -35,6 +35,36 @@ def _on_the_cpu():
         yield
 
 
+@pytest.fixture(params=["dispatched", "portable"])
+def kernel_path(request, monkeypatch):
+    """Both code paths of the kernel: what it picks on this CPU (the AVX-512 decode where the
+    CPU has AVX-512F, see `test_avx512_is_used_where_the_cpu_has_it`) and the portable loops."""
+    monkeypatch.setattr(cpu_kernel, "PORTABLE_ONLY", request.param == "portable")
+    return request.param
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@needs_kernel
+def test_avx512_is_used_where_the_cpu_has_it():
+    """The kernel's run-time choice of the AVX-512 decode follows the CPU (Linux reports its
+    flags in /proc/cpuinfo; elsewhere only that the call works)."""
+    flags = _cpu_flags()
+    if not flags:
+        assert cpu_kernel.uses_avx512() in (True, False)
+        return
+    assert cpu_kernel.uses_avx512() == ("avx512f" in flags)
+
+
 def test_kernel_is_built():
     """The test command builds the package from source with a C++ compiler, so the kernel
     must be there (a silently missing kernel would leave the XLA loop everywhere)."""
@@ -188,7 +218,7 @@ UPDATES = {
         ((100,), 256),  # one padded block
     ],
 )
-def test_update_equals_numpy(name, shape, block):
+def test_update_equals_numpy(name, shape, block, kernel_path):
     update, k = UPDATES[name]
     mu, nu, nu_max, g = _state(shape, block, key=len(name))
     stored = (mu, nu, nu_max)[:k]
@@ -197,7 +227,7 @@ def test_update_equals_numpy(name, shape, block):
 
 
 @needs_kernel
-def test_extreme_values_equal_numpy():
+def test_extreme_values_equal_numpy(kernel_path):
     """Zeros, tiny and huge gradients, +-inf and NaN in their own blocks and mixed."""
     block = 256
     pieces = [

@@ -4,11 +4,18 @@ One run measures every size side by side. For each size N the parameters are one
 matrix of shape (round(N / 1024), 1024) (a multiple of the block size, as real layers are);
 ``--ragged`` adds a (N / 1000, 1000) matrix whose size is not a multiple of 256 (padding path).
 The timed step is ``update`` + ``apply_updates`` of ``optax_decoupled.adamw``, jitted with
-the parameters and the state donated (updated in place), as in a training loop. The state
-dtypes are timed in turns (fp32, bf16, int8, fp32, ...), and the median of ``--repeats`` steps
-is reported, so that a machine shared with other jobs slows them alike. ``int8`` is the
-default 8-bit storage (on CPU the compiled kernel, ``optax_decoupled.cpu_kernel``); ``int8-loop``
-is the same storage with ``cpu_kernel=False`` (XLA's chunk loop), timed in the same turns.
+the parameters and the state donated (updated in place), as in a training loop. Each other
+dtype is timed in turns with float32 (fp32, int8, fp32, int8, ...; then fp32, bf16, ...), so
+that a machine shared with other jobs slows both alike, and its ratio is taken against the
+float32 steps of its own turns; medians of ``--repeats`` steps are reported. ``int8`` is the
+default 8-bit storage (on CPU the compiled kernel, ``optax_decoupled.cpu_kernel``);
+``int8-loop`` is the same storage with ``cpu_kernel=False`` (XLA's chunk loop).
+
+Why pairs: a step whose program allocates temporaries (8-bit and bf16 state do, float32 does
+not) is slower when other programs with big temporaries run between its steps, since
+glibc's allocator then maps fresh memory for them more often. A training loop runs one
+program. ``--rotation all`` times all dtypes in one rotation (fp32, bf16, int8, int8-loop,
+fp32, ...) to show the difference (docs/memory.md).
 
     python benchmarks/state_memory.py                    # 1e6, 1e7, 5e7
     python benchmarks/state_memory.py --sizes 1e6 --repeats 5 --json out.json
@@ -52,7 +59,7 @@ def make_step(state_dtype):
     return tx, jax.jit(step, donate_argnums=(0, 1))
 
 
-def bench_size(shape, repeats: int) -> dict:
+def bench_size(shape, repeats: int, rotation: str = "pairs") -> dict:
     key = jax.random.key(0)
     params0 = {"w": jax.random.normal(key, shape, jnp.float32)}
     grads = {"w": 0.01 * jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32)}
@@ -67,16 +74,23 @@ def bench_size(shape, repeats: int) -> dict:
         jax.block_until_ready((params, state))
         compile_s = time.perf_counter() - t0
         runs[sd] = {"step": step, "carry": (params, state), "bytes": sb, "compile_s": compile_s}
+    others = [sd for sd in STATE_DTYPES if sd != "float32"]
+    rotations = [STATE_DTYPES] if rotation == "all" else [("float32", sd) for sd in others]
     times = {sd: [] for sd in STATE_DTYPES}
-    for _ in range(repeats):
-        for sd in STATE_DTYPES:
-            r = runs[sd]
-            t0 = time.perf_counter()
-            r["carry"] = r["step"](*r["carry"], grads)
-            jax.block_until_ready(r["carry"])
-            times[sd].append(time.perf_counter() - t0)
+    anchor = {}  # the float32 times of the rotation each dtype was timed in
+    for turn in rotations:
+        f32_times = []
+        for _ in range(repeats):
+            for sd in turn:
+                r = runs[sd]
+                t0 = time.perf_counter()
+                r["carry"] = r["step"](*r["carry"], grads)
+                jax.block_until_ready(r["carry"])
+                (f32_times if sd == "float32" else times[sd]).append(time.perf_counter() - t0)
+        times["float32"] += f32_times
+        anchor.update({sd: f32_times for sd in turn if sd != "float32"})
     n = int(np.prod(shape))
-    out = {"shape": list(shape), "num_params": n}
+    out = {"shape": list(shape), "num_params": n, "rotation": rotation}
     for sd in STATE_DTYPES:
         sb = runs[sd]["bytes"]
         out[sd] = {
@@ -89,7 +103,8 @@ def bench_size(shape, repeats: int) -> dict:
     f32 = out["float32"]
     for sd in ("bfloat16", "int8", "int8-loop"):
         out[sd]["state_ratio"] = out[sd]["state_bytes"] / f32["state_bytes"]
-        out[sd]["time_ratio"] = out[sd]["step_ms_median"] / f32["step_ms_median"]
+        out[sd]["float32_step_ms_median"] = 1e3 * float(np.median(anchor[sd]))
+        out[sd]["time_ratio"] = out[sd]["step_ms_median"] / out[sd]["float32_step_ms_median"]
     return out
 
 
@@ -118,6 +133,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ragged", action="store_true", help="also (N/1000, 1000) matrices")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument(
+        "--rotation",
+        choices=("pairs", "all"),
+        default="pairs",
+        help="time each dtype in turns with float32 (default), or all dtypes in one rotation",
+    )
     args = parser.parse_args(argv)
     shapes = []
     for n in args.sizes:
@@ -126,7 +147,7 @@ def main(argv=None) -> list[dict]:
             shapes.append((max(1, round(n / 1000)), 1000))
     results = []
     for shape in shapes:
-        results.append(bench_size(shape, args.repeats))
+        results.append(bench_size(shape, args.repeats, args.rotation))
         print(markdown(results[-1:]).splitlines()[-1], flush=True)
     env = {
         "jax": jax.__version__,
@@ -135,12 +156,22 @@ def main(argv=None) -> list[dict]:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "repeats": args.repeats,
+        "rotation": args.rotation,
         "cpu_kernel": cpu_kernel.available(),
+        "cpu_kernel_avx512": cpu_kernel.uses_avx512(),
     }
     print()
     print(f"jax {env['jax']} on {env['backend']} ({env['device']}, {env['cpu_count']} CPUs)")
     kernel = "built" if env["cpu_kernel"] else f"not available: {cpu_kernel.unavailable_reason()}"
+    if env["cpu_kernel_avx512"]:
+        kernel += " (AVX-512 decode)"
     print(f"compiled CPU kernel for int8: {kernel}")
+    rotation = (
+        "in turns with float32, one dtype at a time"
+        if args.rotation == "pairs"
+        else ("all dtypes in one rotation")
+    )
+    print(f"timing: {rotation}; ratios against the float32 steps of the same turns")
     print(markdown(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -15,7 +15,10 @@ Why pairs: a step whose program allocates temporaries (8-bit and bf16 state do, 
 not) is slower when other programs with big temporaries run between its steps, since
 glibc's allocator then maps fresh memory for them more often. A training loop runs one
 program. ``--rotation all`` times all dtypes in one rotation (fp32, bf16, int8, int8-loop,
-fp32, ...) to show the difference (docs/memory.md).
+fp32, ...) to show the difference (docs/memory.md). For the same reason the allocator's
+settings matter: under glibc, XLA's per-step temporaries above 32 MiB are mapped afresh on
+every step unless e.g. ``GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:``
+``glibc.malloc.trim_threshold=4000000000`` is set (docs/memory.md); the run records them.
 
     python benchmarks/state_memory.py                    # 1e6, 1e7, 5e7
     python benchmarks/state_memory.py --sizes 1e6 --repeats 5 --json out.json
@@ -41,6 +44,8 @@ from optax_decoupled import cpu_kernel, memory
 from optax_decoupled.storage import BlockwiseInt8Storage
 
 STATE_DTYPES = ("float32", "bfloat16", "int8", "int8-loop")
+#: Environment variables that tune glibc's or jemalloc's allocator (recorded with the results).
+MALLOC_ENV = ("GLIBC_TUNABLES", "MALLOC_", "LD_PRELOAD")
 
 
 def _storage(name):
@@ -157,6 +162,8 @@ def main(argv=None) -> list[dict]:
         "python": platform.python_version(),
         "repeats": args.repeats,
         "rotation": args.rotation,
+        # The allocator's settings change how much the temporaries cost (docs/memory.md).
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(MALLOC_ENV)},
         "cpu_kernel": cpu_kernel.available(),
         "cpu_kernel_avx512": cpu_kernel.uses_avx512(),
     }
@@ -172,6 +179,8 @@ def main(argv=None) -> list[dict]:
         else ("all dtypes in one rotation")
     )
     print(f"timing: {rotation}; ratios against the float32 steps of the same turns")
+    if env["malloc_env"]:
+        print(f"allocator settings: {env['malloc_env']}")
     print(markdown(results))
     if args.json:
         with open(args.json, "w") as f:

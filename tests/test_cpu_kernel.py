@@ -216,6 +216,7 @@ UPDATES = {
         ((300, 1001), 256),  # ragged: the last block is padded; several threads' tasks
         ((64, 1024), 2048),  # the paper's block size
         ((100,), 256),  # one padded block
+        ((37, 53), 100),  # a block size that is not a multiple of 16 (the AVX-512 tail)
     ],
 )
 def test_update_equals_numpy(name, shape, block, kernel_path):

@@ -106,7 +106,7 @@ def bench_size(shape, repeats: int, rotation: str = "pairs") -> dict:
             "compile_s": runs[sd]["compile_s"],
         }
     f32 = out["float32"]
-    for sd in ("bfloat16", "int8", "int8-loop"):
+    for sd in others:
         out[sd]["state_ratio"] = out[sd]["state_bytes"] / f32["state_bytes"]
         out[sd]["float32_step_ms_median"] = 1e3 * float(np.median(anchor[sd]))
         out[sd]["time_ratio"] = out[sd]["step_ms_median"] / out[sd]["float32_step_ms_median"]

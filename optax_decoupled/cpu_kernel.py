@@ -103,7 +103,7 @@ def uses_avx512() -> bool:
     """Whether the kernel decodes the stored codes with AVX-512 register permutes on this
     CPU (an x86-64 CPU with AVX-512F; elsewhere the compiler-vectorized loops, with the same
     values). ``False`` when the kernel is not available."""
-    if not _register() or _lib is None:
+    if not _register():
         return False
     return bool(_lib.OdUsesAvx512())
 

@@ -366,9 +366,16 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
   const int64_t blocks_per_task = std::max<int64_t>(1, kTaskElements / block);
   const int64_t n_tasks = (n_blocks + blocks_per_task - 1) / blocks_per_task;
   const int b = static_cast<int>(block);
-  // `portable`: the compiler-vectorized loops only (tests compare both paths).
-  const bool avx512 = !portable && CpuHasAvx512();
-  (void)avx512;
+  // The decode: AVX-512 where the CPU has it, unless the call asks for the portable
+  // (compiler-vectorized) loops (tests run both).
+  auto ema = EmaBlock;
+  auto running_max = MaxBlock;
+#if defined(OD_X86_AVX512)
+  if (!portable && CpuHasAvx512()) {
+    ema = EmaBlockAvx512;
+    running_max = MaxBlockAvx512;
+  }
+#endif
 
   auto work = [&](int64_t task) {
     std::vector<float> values(static_cast<size_t>(n_moments * block));
@@ -378,18 +385,10 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
       const int64_t off = blk * block;
       const int valid = static_cast<int>(std::min<int64_t>(block, size - off));
       for (int64_t k = 0; k < n_ema; ++k) {
-        auto ema = EmaBlock;
-#if defined(OD_X86_AVX512)
-        if (avx512) ema = EmaBlockAvx512;
-#endif
         ema(gd + off, codes_in[k] + off, enc[k].qmap, absmax_in[k][blk], c[2 * k],
             c[2 * k + 1], powers[k], valid, b, values.data() + k * block);
       }
       if (has_max) {
-        auto running_max = MaxBlock;
-#if defined(OD_X86_AVX512)
-        if (avx512) running_max = MaxBlockAvx512;
-#endif
         running_max(values.data() + block, codes_in[2] + off, enc[2].qmap, absmax_in[2][blk],
                     static_cast<int>(max_divide), c[4], valid, b, values.data() + 2 * block);
       }

@@ -56,12 +56,11 @@ def _cpu_flags() -> set[str]:
 
 @needs_kernel
 def test_avx512_is_used_where_the_cpu_has_it():
-    """The kernel's run-time choice of the AVX-512 decode follows the CPU (Linux reports its
-    flags in /proc/cpuinfo; elsewhere only that the call works)."""
+    """The kernel's run-time choice of the AVX-512 decode follows the CPU, as Linux reports
+    its flags in /proc/cpuinfo (skipped where there is no such file)."""
     flags = _cpu_flags()
     if not flags:
-        assert cpu_kernel.uses_avx512() in (True, False)
-        return
+        pytest.skip("no CPU flags in /proc/cpuinfo: nothing to compare the choice with")
     assert cpu_kernel.uses_avx512() == ("avx512f" in flags)
 
 

@@ -196,8 +196,11 @@ def requantize_ema(
     """``quantize(update(*dequantize(stored), g))`` per moment, by the compiled kernel.
 
     Call only where :func:`applies` is true and on the CPU (``quantization.requantize``
-    dispatches with ``jax.lax.platform_dependent``). The new codes and scales are written in
-    place of the old ones when those are donated.
+    dispatches with ``jax.lax.platform_dependent``). The kernel writes the new codes and
+    scales to its own outputs, not over its operands. The transform's output is computed
+    from the old codes too, so with the state donated XLA copies the old codes once, for the
+    kernel and the output to read, and the kernel writes into the donated buffers; declared
+    in place, the kernel made XLA copy them twice (``docs/memory.md``).
     """
     if not available():
         raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
@@ -213,19 +216,14 @@ def requantize_ema(
     coef.append(jnp.float32(1) if divisor is None else _f32_coefficient(divisor))
     args = [g, jnp.stack(coef)]
     out_types = []
-    aliases = {}
-    for k, q in enumerate(stored):
+    for q in stored:
         qmap = jnp.asarray(quant_lib._dynamic_map(q.signed))
         args += [qmap, jnp.asarray(encoder_table(q.signed)), q.codes, q.absmax]
-        aliases[2 + 4 * k + 2] = 2 * k
-        aliases[2 + 4 * k + 3] = 2 * k + 1
         out_types += [
             jax.ShapeDtypeStruct(q.codes.shape, jnp.uint8),
             jax.ShapeDtypeStruct(q.absmax.shape, jnp.float32),
         ]
-    call = jax.ffi.ffi_call(
-        TARGET, out_types, vmap_method="sequential", input_output_aliases=aliases
-    )
+    call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
     powers = list(update.powers) + [1] * (2 - len(update.powers))
     outs = call(
         *args,

@@ -392,8 +392,8 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
         running_max(values.data() + block, codes_in[2] + off, enc[2].qmap, absmax_in[2][blk],
                     static_cast<int>(max_divide), c[4], valid, b, values.data() + 2 * block);
       }
-      // All inputs of this block are read before any output is written, so the outputs
-      // may alias the inputs (the state is updated in place).
+      // All inputs of this block are read before any output is written, so the kernel is
+      // correct whether or not its outputs alias its inputs (cpu_kernel.py declares none).
       for (int64_t k = 0; k < n_moments; ++k) {
         QuantizeBlock(values.data() + k * block, enc[k], b, codes_out[k] + off,
                       absmax_out[k] + blk);

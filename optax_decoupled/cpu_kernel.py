@@ -21,7 +21,9 @@ on every float32 within 4096 ulps of every decision point of both maps.
 
 Only programs compiled for one device call the kernel: XLA cannot partition a custom call,
 so :func:`single_device_or` chooses when the program is lowered, and sharded programs (and
-``shard_map`` bodies, :func:`in_manual_context`) keep XLA's loop.
+``shard_map`` bodies, :func:`in_manual_context`) keep XLA's loop. So do programs serialized
+with ``jax.export``, which may run where the kernel is not registered (and which
+``jax.export`` would refuse: the call has no compatibility guarantees).
 
 If the extension was not built (no C++ compiler at install time) or cannot be loaded,
 :func:`available` is ``False`` and 8-bit storage uses XLA's chunk loop (the same results up
@@ -253,7 +255,9 @@ _dispatch_p.multiple_results = True
 
 
 def single_device_or(single: Any, partitioned: Any, *args: Any, out_like: Any = None) -> Any:
-    """``single(*args)`` in a program compiled for one device, else ``partitioned(*args)``.
+    """``single(*args)`` in a program compiled for one device, else ``partitioned(*args)``
+    (also in programs lowered for ``jax.export``, which may run where the kernel is not
+    registered).
 
     Both must return the same pytree of arrays: shaped like ``out_like`` (a pytree of arrays
     or ``jax.ShapeDtypeStruct``) when it is given, else found by tracing ``partitioned``. The
@@ -307,12 +311,21 @@ def _dispatch_impl(*args, **params):
     return jax.jit(lambda *a: _dispatch_p.bind(*a, **params))(*args)
 
 
+def _lowering_for_export(ctx: Any) -> bool:
+    """Whether ``ctx`` (a lowering rule's context) lowers a program for ``jax.export``."""
+    params = getattr(ctx.module_context, "lowering_parameters", None)
+    return bool(getattr(params, "for_export", False))
+
+
 def _dispatch_lowering(ctx, *args, single, partitioned, out_avals):
     del out_avals
     # jit's context is a ShardingContext with the program's number of devices; other
-    # contexts (e.g. inside shard_map) take the partitionable path.
+    # contexts (e.g. inside shard_map) take the partitionable path. So do exported programs
+    # (jax.export): they may be run where this package's kernel is not registered, and
+    # jax.export refuses custom calls without compatibility guarantees.
     num_devices = getattr(ctx.module_context.axis_context, "num_devices", None)
-    fn = single if num_devices == 1 else partitioned
+    single_device = num_devices == 1 and not _lowering_for_export(ctx)
+    fn = single if single_device else partitioned
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 

@@ -424,9 +424,10 @@ def requantize(
       :class:`~optax_decoupled.moment_updates.EmaMoments` (the updates of Adam, AMSGrad and
       Lion), the arithmetic is float32 and the kernel is built
       (:func:`optax_decoupled.cpu_kernel.available`), one multi-threaded C++ call does the
-      whole update (:mod:`optax_decoupled.cpu_kernel`), in programs compiled for one device
-      and outside ``shard_map`` (XLA cannot partition the call; sharded programs take the
-      loop below). ``kernel=False`` turns this off.
+      whole update (:mod:`optax_decoupled.cpu_kernel`), in programs compiled for one device,
+      outside ``shard_map`` and not for ``jax.export`` (XLA cannot partition the call, and
+      an exported program may run where it is not registered; those take the loop below).
+      ``kernel=False`` turns this off.
     * **CPU, otherwise**: a loop over chunks of ``chunk_elements`` (default :data:`CHUNK_ELEMENTS`)
       whole blocks. Each chunk is decoded, updated, reduced to its blocks' absmax and encoded
       while it is in cache, so no float32 array of the parameter's size is ever written. On

@@ -9,6 +9,7 @@ decision point of both maps.
 
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -287,9 +288,9 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
 
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
     assert cpu_kernel.TARGET in compiled.as_text()
-    # The kernel writes the codes and scales in place; XLA keeps a copy of the old ones for
-    # the transform's output (computed from them, fused into the parameter update), and
-    # nothing else: no float32 array of the parameter's size.
+    # The kernel writes the new codes and scales into the donated buffers; XLA keeps one
+    # copy of the old ones for the transform's output (computed from them, fused into the
+    # parameter update), and nothing else: no float32 array of the parameter's size.
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp <= state_bytes + 4096, (temp, state_bytes)
@@ -301,6 +302,39 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
     off = od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype=loop)
     text = jax.jit(lambda p, s, g: off.update(g, s, p)).lower(params, off.init(params), params)
     assert cpu_kernel.TARGET not in text.as_text()
+
+
+@needs_kernel
+@pytest.mark.parametrize("platforms", [("cpu",), ("cpu", "cuda")], ids=["cpu", "cpu+cuda"])
+def test_exported_programs_use_the_loop(platforms):
+    """A step serialized with jax.export carries no call of the kernel (it may run where the
+    kernel is not registered, and jax.export refuses such custom calls): it computes what
+    the same step with `cpu_kernel=False` computes, while the jitted step calls the kernel."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 300 * 1001).reshape(300, 1001)}
+    grads = {"w": jnp.cos(37.0 * params["w"])}
+
+    def make(storage):
+        tx = od.adamw(1e-2, weight_decay=0.1, mask=None, state_dtype=storage)
+
+        def step(p, s, g):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        return tx, jax.jit(step)
+
+    tx, step = make("int8")
+    state = tx.init(params)
+    assert cpu_kernel.TARGET in step.lower(params, state, grads).as_text()
+    exported = jax.export.export(step, platforms=platforms)(params, state, grads)
+    assert cpu_kernel.TARGET not in exported.mlir_module()
+    loop_tx, loop_step = make(BlockwiseInt8Storage(cpu_kernel=False))
+    p, s = params, state
+    lp, ls = params, loop_tx.init(params)
+    for _ in range(3):
+        p, s = exported.call(p, s, grads)
+        lp, ls = loop_step(lp, ls, grads)
+    chex.assert_trees_all_equal(p, lp)
+    chex.assert_trees_all_equal(s, ls)
 
 
 def test_encoder_table_layout():

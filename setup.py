@@ -14,7 +14,7 @@ from setuptools.command.build_ext import build_ext
 
 #: Flags that only tune instruction choice and scheduling for the CPU that builds the package
 #: (where pip installs it, as a rule). They change no result and no instruction set: the
-#: kernel's target clones still pick AVX-512, AVX2 or baseline code at run time. On Zen 4,
+#: kernel's target clones still pick AVX-512, AVX2 or baseline code at run time. On Zen 5,
 #: -mtune=native makes the kernel about 9% faster (docs/memory.md). Kept only where the
 #: compiler accepts them.
 TUNING_FLAGS = ["-mtune=native"]

@@ -194,15 +194,23 @@ def requantize_ema(
     update: moment_updates.EmaMoments,
     stored: tuple[quant_lib.QuantizedArray, ...],
     g: jax.Array,
-) -> tuple[quant_lib.QuantizedArray, ...]:
+    *,
+    emit_old: bool = False,
+) -> Any:
     """``quantize(update(*dequantize(stored), g))`` per moment, by the compiled kernel.
 
     Call only where :func:`applies` is true and on the CPU (``quantization.requantize``
-    dispatches with ``jax.lax.platform_dependent``). The kernel writes the new codes and
-    scales to its own outputs, not over its operands. The transform's output is computed
-    from the old codes too, so with the state donated XLA copies the old codes once, for the
-    kernel and the output to read, and the kernel writes into the donated buffers; declared
-    in place, the kernel made XLA copy them twice (``docs/memory.md``).
+    dispatches with ``jax.lax.platform_dependent``).
+
+    The transforms compute their output from the old moments, in XLA, fused into the
+    parameter update. With ``emit_old`` (what they use, through
+    ``storage.update_moments(..., return_old=True)``) the result is ``(new, old)``: ``old``
+    is a copy of ``stored`` that the kernel writes as it reads each block, for the output to
+    be computed from, and the new codes and scales are written in place of ``stored``. The
+    kernel is then the only reader of ``stored``, and with the state donated XLA copies
+    nothing. Without it the kernel writes the new moments to buffers of their own, and a
+    caller that still reads ``stored`` afterwards makes XLA copy it first (measured:
+    ``docs/memory.md``, Speed).
     """
     if not available():
         raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
@@ -225,7 +233,15 @@ def requantize_ema(
             jax.ShapeDtypeStruct(q.codes.shape, jnp.uint8),
             jax.ShapeDtypeStruct(q.absmax.shape, jnp.float32),
         ]
-    call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
+    aliases = {}
+    if emit_old:
+        out_types = out_types * 2
+        for k in range(len(stored)):
+            aliases[2 + 4 * k + 2] = 2 * k
+            aliases[2 + 4 * k + 3] = 2 * k + 1
+    call = jax.ffi.ffi_call(
+        TARGET, out_types, vmap_method="sequential", input_output_aliases=aliases
+    )
     powers = list(update.powers) + [1] * (2 - len(update.powers))
     outs = call(
         *args,
@@ -235,11 +251,16 @@ def requantize_ema(
         power0=np.int64(powers[0]),
         power1=np.int64(powers[1]),
         portable=np.int64(PORTABLE_ONLY),
+        emit_old=np.int64(emit_old),
     )
-    return tuple(
-        quant_lib.QuantizedArray(outs[2 * k], outs[2 * k + 1], q.signed)
-        for k, q in enumerate(stored)
-    )
+    groups = [
+        tuple(
+            quant_lib.QuantizedArray(outs[o + 2 * k], outs[o + 2 * k + 1], q.signed)
+            for k, q in enumerate(stored)
+        )
+        for o in range(0, len(outs), 2 * len(stored))
+    ]
+    return (groups[0], groups[1]) if emit_old else groups[0]
 
 
 # --- Choosing the kernel per compiled program -------------------------------------------------

@@ -406,7 +406,8 @@ def requantize(
     dtype: Any = jnp.float32,
     chunk_elements: int | None = None,
     kernel: bool = True,
-) -> tuple[QuantizedArray, ...]:
+    return_old: bool = False,
+) -> Any:
     r"""``quantize(v_k, signed=signed[k])`` for ``v = fn(*dequantize(stored), *operands)``.
 
     The fused read-modify-write of quantized moments: ``fn`` is *element-wise* and gets the
@@ -442,6 +443,11 @@ def requantize(
 
     The last block of a size that is not a multiple of :math:`B` is handled apart from the
     loop (its padding is zero, as in :func:`quantize`).
+
+    With ``return_old``, returns ``(new, old)``, where ``old`` holds the values of ``stored``
+    for the caller to read instead of ``stored`` (for its output): the compiled kernel then
+    writes a copy of the old codes while it reads them and updates ``stored`` in place, so
+    that XLA need not copy ``stored`` first; elsewhere ``old`` is ``stored`` itself.
     """
     size = int(np.prod(shape, dtype=np.int64))
     block_size = stored[0].block_size
@@ -453,7 +459,8 @@ def requantize(
         like = operands[0] if operands else tuple(shape)
         values = fn(*(dequantize(q, like).astype(dtype) for q in stored), *operands)
         pairs = zip(values, signed, strict=True)
-        return tuple(quantize(v, signed=s, block_size=block_size) for v, s in pairs)
+        new = tuple(quantize(v, signed=s, block_size=block_size) for v, s in pairs)
+        return (new, tuple(stored)) if return_old else new
 
     n_in = len(stored) + len(operands)
 
@@ -480,29 +487,37 @@ def requantize(
 
         def compiled(*args):
             update = rebuild(args[n_in:])
-            return cpu_kernel.requantize_ema(update, args[: len(stored)], args[len(stored)])
+            qs, g = args[: len(stored)], args[len(stored)]
+            return cpu_kernel.requantize_ema(update, qs, g, emit_old=return_old)
 
-        def loop(*args):
-            return chunked_with(rebuild(args[n_in:]), *args)
+        def with_old(compute):
+            # The other paths read `stored` itself for the output.
+            if not return_old:
+                return compute
+            return lambda *args: (compute(*args), tuple(args[: len(stored)]))
+
+        loop = with_old(lambda *args: chunked_with(rebuild(args[n_in:]), *args))
+        default = with_old(lambda *args: whole_with(rebuild(args[n_in:]), *args))
+        like = tuple(stored)
+        like = (like, like) if return_old else like
 
         def on_cpu(*args):
             # The kernel cannot be partitioned: programs for several devices keep the loop.
             # The results are shaped like the stored moments (no need to trace the loop).
-            return cpu_kernel.single_device_or(compiled, loop, *args, out_like=args[: len(stored)])
-
-        def default(*args):
-            return whole_with(rebuild(args[n_in:]), *args)
+            return cpu_kernel.single_device_or(compiled, loop, *args, out_like=like)
 
         return jax.lax.platform_dependent(*stored, *operands, *dynamic, cpu=on_cpu, default=default)
 
     if full <= chunk:
-        return whole_with(fn, *stored, *operands)
-    return jax.lax.platform_dependent(
-        *stored,
-        *operands,
-        cpu=functools.partial(chunked_with, fn),
-        default=functools.partial(whole_with, fn),
-    )
+        new = whole_with(fn, *stored, *operands)
+    else:
+        new = jax.lax.platform_dependent(
+            *stored,
+            *operands,
+            cpu=functools.partial(chunked_with, fn),
+            default=functools.partial(whole_with, fn),
+        )
+    return (new, tuple(stored)) if return_old else new
 
 
 def _kernel_applies(fn, stored, operands, dtype) -> bool:

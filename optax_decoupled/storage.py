@@ -84,7 +84,8 @@ def update_moments(
     *,
     like: jax.Array,
     signed: tuple[bool, ...],
-) -> tuple[Any, ...]:
+    return_old: bool = False,
+) -> Any:
     """The new stored moments ``write(v_k)`` for ``v = fn(*read(stored), *operands)``.
 
     ``fn`` must be element-wise (each output element depends only on the same element of the
@@ -95,12 +96,16 @@ def update_moments(
 
     Transforms compute their output from ``read(stored)`` separately: XLA fuses that into
     the rest of the step (e.g. the parameter update), and for float storage it is the same
-    expression (computed once).
+    expression (computed once). With ``return_old`` the result is ``(new, old)``, and the
+    transform reads ``old`` instead of ``stored``: the same values, which 8-bit storage's
+    CPU kernel copies while it updates ``stored`` in place (XLA would otherwise copy
+    ``stored`` before the kernel overwrites it); other storages return ``stored`` itself.
     """
     update = getattr(store, "update", None)
     if update is not None:
-        return update(fn, stored, operands, like, signed)
-    return _read_compute_write(store, fn, stored, operands, like, signed)
+        return update(fn, stored, operands, like, signed, return_old=return_old)
+    new = _read_compute_write(store, fn, stored, operands, like, signed)
+    return (new, tuple(stored)) if return_old else new
 
 
 def _read_compute_write(store, fn, stored, operands, like, signed):
@@ -212,7 +217,8 @@ class BlockwiseInt8Storage:
         operands: tuple[jax.Array, ...],
         like: jax.Array,
         signed: tuple[bool, ...],
-    ) -> tuple[Any, ...]:
+        return_old: bool = False,
+    ) -> Any:
         """:func:`update_moments` for 8-bit moments.
 
         Quantized moments go through :func:`optax_decoupled.quantization.requantize`
@@ -220,7 +226,8 @@ class BlockwiseInt8Storage:
         arrays). Float32 moments of small parameters take the plain read-compute-write.
         """
         if not all(isinstance(s, quant_lib.QuantizedArray) for s in stored):
-            return _read_compute_write(self, fn, stored, operands, like, signed)
+            new = _read_compute_write(self, fn, stored, operands, like, signed)
+            return (new, tuple(stored)) if return_old else new
         dtype = jnp.promote_types(jnp.float32, jnp.result_type(like))
         return quant_lib.requantize(
             fn,
@@ -230,6 +237,7 @@ class BlockwiseInt8Storage:
             signed=signed,
             dtype=dtype,
             kernel=self.cpu_kernel,
+            return_old=return_old,
         )
 
 

@@ -391,7 +391,14 @@ def scale_by_adam(
         def leaf(g, mu_s, nu_s, nu_max_s=None):
             g = jnp.asarray(g)
             stored = (mu_s, nu_s) if amsgrad is None else (mu_s, nu_s, nu_max_s)
-            new = moments(*(store.read(s, g) for s in stored), g)
+            signed = (True, False, False)[: len(stored)]
+            # The stored moments are written by the storage, which may fuse this
+            # read-modify-write (8-bit storage does, chunk by chunk on CPU). The output is
+            # computed from `old`: the values of `stored` (see update_moments).
+            written, old = storage_lib.update_moments(
+                store, moments, stored, (g,), like=g, signed=signed, return_old=True
+            )
+            new = moments(*(store.read(s, g) for s in old), g)
             mu, nu = new[:2]
             if amsgrad is None:
                 denom_sq = nu / bc2.astype(nu.dtype)
@@ -401,12 +408,6 @@ def scale_by_adam(
                 denom_sq = new[2]
             numer = mu if amsgrad == "paper" else mu / bc1.astype(mu.dtype)
             u = (numer / (jnp.sqrt(denom_sq + eps_root) + eps)).astype(g.dtype)
-            signed = (True, False, False)[: len(stored)]
-            # The stored moments are written by the storage, which may fuse this
-            # read-modify-write (8-bit storage does, chunk by chunk on CPU).
-            written = storage_lib.update_moments(
-                store, moments, stored, (g,), like=g, signed=signed
-            )
             return (u, *written)
 
         trees = (updates, state.mu, state.nu)
@@ -473,11 +474,11 @@ def scale_by_lion(
 
         def leaf(g, mu_s):
             g = jnp.asarray(g)
-            mu = store.read(mu_s, g)
-            u = jnp.sign((1 - b1) * g.astype(mu.dtype) + b1 * mu).astype(g.dtype)
-            (written,) = storage_lib.update_moments(
-                store, momentum, (mu_s,), (g,), like=g, signed=(True,)
+            (written,), (old,) = storage_lib.update_moments(
+                store, momentum, (mu_s,), (g,), like=g, signed=(True,), return_old=True
             )
+            mu = store.read(old, g)
+            u = jnp.sign((1 - b1) * g.astype(mu.dtype) + b1 * mu).astype(g.dtype)
             return u, written
 
         u, mu = _map_unzip(leaf, updates, state.mu)

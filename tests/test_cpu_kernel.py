@@ -228,6 +228,31 @@ def test_update_equals_numpy(name, shape, block, kernel_path):
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", sorted(UPDATES))
+@pytest.mark.parametrize("shape, block", [((300, 1001), 256), ((37, 53), 100)])
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+def test_emit_old_copies_the_stored_moments(name, shape, block, donate):
+    """With `emit_old` the kernel also returns a copy of the moments it read (what the
+    transforms compute their output from) and writes the new ones in place: the copy equals
+    the stored moments bit for bit, and the new ones equal the NumPy reference, whether the
+    stored moments are donated (updated in their own buffers) or not."""
+    update, k = UPDATES[name]
+    mu, nu, nu_max, g = _state(shape, block, key=len(name) + 1)
+    stored = (mu, nu, nu_max)[:k]
+    before = jax.tree.map(np.array, stored)
+    want = _np_update(update, stored, g, int(np.prod(shape)))
+    step = jax.jit(
+        lambda s, g: cpu_kernel.requantize_ema(update, s, g, emit_old=True),
+        donate_argnums=(0,) if donate else (),
+    )
+    got, old = step(stored, g)
+    _assert_equal_to_numpy(got, want)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, old), before)
+    if not donate:
+        chex.assert_trees_all_equal(jax.tree.map(np.asarray, stored), before)
+
+
+@needs_kernel
 def test_extreme_values_equal_numpy(kernel_path):
     """Zeros, tiny and huge gradients, +-inf and NaN in their own blocks and mixed."""
     block = 256
@@ -266,14 +291,27 @@ def test_traced_coefficients_and_vmap():
     b1 = jnp.float32(0.8)
 
     def one(mu, nu, g, b1):
-        return cpu_kernel.requantize_ema(EmaMoments((b1, 0.99), (1, 2)), (mu, nu), g)
+        update = EmaMoments((b1, 0.99), (1, 2))
+        return cpu_kernel.requantize_ema(update, (mu, nu), g, emit_old=True)
 
-    got = jax.jit(jax.vmap(one, in_axes=(0, 0, 0, None)))(mu, nu, g, b1)
+    got, old = jax.jit(jax.vmap(one, in_axes=(0, 0, 0, None)))(mu, nu, g, b1)
+    chex.assert_trees_all_equal(old, (mu, nu))
     for i, p in enumerate(parts):
         want = _np_update(
             EmaMoments((np.float32(0.8), 0.99), (1, 2)), (p[0], p[1]), p[3], int(np.prod(shape))
         )
         _assert_equal_to_numpy(jax.tree.map(lambda x, i=i: x[i], got), want)
+
+
+def _entry_copies(hlo_text: str, type_prefix: str) -> list[str]:
+    """The `copy` instructions of the entry computation of a compiled HLO module whose
+    result type starts with `type_prefix` (copies inside fusions are not buffers)."""
+    entry = hlo_text[hlo_text.index("\nENTRY ") :]
+    return [
+        line.strip()
+        for line in entry.splitlines()
+        if " copy(" in line and line.split("=", 1)[-1].strip().startswith(type_prefix)
+    ]
 
 
 @needs_kernel
@@ -288,9 +326,11 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
 
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
     assert cpu_kernel.TARGET in compiled.as_text()
-    # The kernel writes the new codes and scales into the donated buffers; XLA keeps one
-    # copy of the old ones for the transform's output (computed from them, fused into the
-    # parameter update), and nothing else: no float32 array of the parameter's size.
+    # The kernel writes the new codes and scales in place of the donated ones, and a copy of
+    # the old ones for the transform's output (computed from them, fused into the parameter
+    # update): XLA copies no codes itself, and its temporaries are that copy and nothing
+    # else, no float32 array of the parameter's size.
+    assert not _entry_copies(compiled.as_text(), "u8["), _entry_copies(compiled.as_text(), "u8[")
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp <= state_bytes + 4096, (temp, state_bytes)

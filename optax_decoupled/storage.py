@@ -90,8 +90,9 @@ def update_moments(
 
     ``fn`` must be element-wise (each output element depends only on the same element of the
     inputs), as every moment update is. A storage may then compute this in its own way: one
-    with an ``update(fn, stored, operands, like, signed)`` method does (8-bit storage
-    requantizes chunk by chunk on CPU, :func:`optax_decoupled.quantization.requantize`);
+    with an ``update(fn, stored, operands, like, signed, return_old=False)`` method does
+    (8-bit storage requantizes chunk by chunk on CPU,
+    :func:`optax_decoupled.quantization.requantize`);
     for any other the result is exactly the read-compute-write above, which XLA fuses.
 
     Transforms compute their output from ``read(stored)`` separately: XLA fuses that into

@@ -29,7 +29,7 @@ tx = optax.chain(
 optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-@nnx.jit
+@nnx.jit(donate_argnums=(0, 1))  # new model and optimizer state in the old buffers
 def train_step(model, optimizer, x, y):
     loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
     optimizer.update(model, grads)

@@ -176,7 +176,7 @@ def main(argv=None) -> list[dict]:
     rotation = (
         "in turns with float32, one dtype at a time"
         if args.rotation == "pairs"
-        else ("all dtypes in one rotation")
+        else "all dtypes in one rotation"
     )
     print(f"timing: {rotation}; ratios against the float32 steps of the same turns")
     if env["malloc_env"]:

@@ -260,7 +260,7 @@ def requantize_ema(
         )
         for o in range(0, len(outs), 2 * len(stored))
     ]
-    return (groups[0], groups[1]) if emit_old else groups[0]
+    return tuple(groups) if emit_old else groups[0]
 
 
 # --- Choosing the kernel per compiled program -------------------------------------------------

@@ -449,6 +449,10 @@ def requantize(
     writes a copy of the old codes while it reads them and updates ``stored`` in place, so
     that XLA need not copy ``stored`` first; elsewhere ``old`` is ``stored`` itself.
     """
+
+    def result(new):
+        return (new, tuple(stored)) if return_old else new
+
     size = int(np.prod(shape, dtype=np.int64))
     block_size = stored[0].block_size
     if any(q.codes.shape[-2:] != stored[0].codes.shape[-2:] for q in stored):
@@ -459,8 +463,7 @@ def requantize(
         like = operands[0] if operands else tuple(shape)
         values = fn(*(dequantize(q, like).astype(dtype) for q in stored), *operands)
         pairs = zip(values, signed, strict=True)
-        new = tuple(quantize(v, signed=s, block_size=block_size) for v, s in pairs)
-        return (new, tuple(stored)) if return_old else new
+        return result(tuple(quantize(v, signed=s, block_size=block_size) for v, s in pairs))
 
     n_in = len(stored) + len(operands)
 
@@ -509,15 +512,15 @@ def requantize(
         return jax.lax.platform_dependent(*stored, *operands, *dynamic, cpu=on_cpu, default=default)
 
     if full <= chunk:
-        new = whole_with(fn, *stored, *operands)
-    else:
-        new = jax.lax.platform_dependent(
+        return result(whole_with(fn, *stored, *operands))
+    return result(
+        jax.lax.platform_dependent(
             *stored,
             *operands,
             cpu=functools.partial(chunked_with, fn),
             default=functools.partial(whole_with, fn),
         )
-    return (new, tuple(stored)) if return_old else new
+    )
 
 
 def _kernel_applies(fn, stored, operands, dtype) -> bool:

@@ -105,13 +105,13 @@ def update_moments(
     update = getattr(store, "update", None)
     if update is not None:
         return update(fn, stored, operands, like, signed, return_old=return_old)
-    new = _read_compute_write(store, fn, stored, operands, like, signed)
-    return (new, tuple(stored)) if return_old else new
+    return _read_compute_write(store, fn, stored, operands, like, signed, return_old)
 
 
-def _read_compute_write(store, fn, stored, operands, like, signed):
+def _read_compute_write(store, fn, stored, operands, like, signed, return_old=False):
     values = fn(*(store.read(s, like) for s in stored), *operands)
-    return tuple(store.write(v, like, signed=sg) for v, sg in zip(values, signed, strict=True))
+    new = tuple(store.write(v, like, signed=sg) for v, sg in zip(values, signed, strict=True))
+    return (new, tuple(stored)) if return_old else new
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,8 +227,7 @@ class BlockwiseInt8Storage:
         arrays). Float32 moments of small parameters take the plain read-compute-write.
         """
         if not all(isinstance(s, quant_lib.QuantizedArray) for s in stored):
-            new = _read_compute_write(self, fn, stored, operands, like, signed)
-            return (new, tuple(stored)) if return_old else new
+            return _read_compute_write(self, fn, stored, operands, like, signed, return_old)
         dtype = jnp.promote_types(jnp.float32, jnp.result_type(like))
         return quant_lib.requantize(
             fn,

@@ -330,7 +330,8 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
     # the old ones for the transform's output (computed from them, fused into the parameter
     # update): XLA copies no codes itself, and its temporaries are that copy and nothing
     # else, no float32 array of the parameter's size.
-    assert not _entry_copies(compiled.as_text(), "u8["), _entry_copies(compiled.as_text(), "u8[")
+    codes_copies = _entry_copies(compiled.as_text(), "u8[")
+    assert not codes_copies, codes_copies
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp <= state_bytes + 4096, (temp, state_bytes)

@@ -6,6 +6,9 @@
 * ``--xla_gpu_deterministic_ops``: bit-exact checks (a resumed run equals an uninterrupted
   one) need GPU kernels without atomics-order nondeterminism; it is ignored on CPU. A
   user's own ``XLA_FLAGS`` are kept.
+* Under pytest-xdist (``make test`` runs one worker per core), several processes share a GPU:
+  each allocates on demand instead of taking 75% of its memory up front (a user's own
+  ``XLA_PYTHON_CLIENT_PREALLOCATE`` is kept). On CPU this changes nothing.
 """
 
 import os
@@ -13,6 +16,9 @@ import os
 _DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
 if "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DETERMINISTIC}".strip()
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads them when it starts)
 

@@ -14,7 +14,13 @@ Compilation is done before timing (one warm-up run each), and the contenders are
 ``--repeats`` times so that load on a shared machine hits them alike. Prints median wall
 times and each ratio to ``sequential`` (target on CPU: <= 0.5), and writes JSON.
 
-    python benchmarks/grid_vmap.py [--k 16] [--steps 100] [--out results/grid_vmap.json]
+``--floor`` (Linux) adds what splitting the runs over the cores can give at best: one
+process per core, each pinned to its core with one XLA device, trains its share of the K
+configurations one at a time; the processes compile, wait for each other, then run side by
+side ``--repeats`` times. Its time is the slowest process's median, against the same
+``sequential`` median.
+
+    python benchmarks/grid_vmap.py [--k 16] [--steps 100] [--floor] [--out results/grid_vmap.json]
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -44,32 +52,28 @@ def main() -> None:
         default=0,
         help="CPU devices to expose (0: one per core, the CLI's default; 1: a single device)",
     )
+    parser.add_argument(
+        "--floor", action="store_true", help="also time one pinned process per core (Linux)"
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # "CPU:FIRST:STOP", for --floor
     args = parser.parse_args()
 
     from optax_decoupled.experiments import xla_setup
 
+    if args.child:
+        cpu = int(args.child.split(":")[0])
+        os.sched_setaffinity(0, {cpu})  # before JAX starts: its thread pool sizes to this
+        args.cpu_devices = 1
     xla_setup.configure_cpu(devices=args.cpu_devices)
     import jax
 
-    import optax_decoupled as od
-    from optax_decoupled.experiments import compare, tasks
     from optax_decoupled.experiments import train as train_lib
 
-    task = tasks.sequential_digits(batch_size=args.batch_size)
-    cfg = compare.CompareConfig(d_model=args.d_model, n_layers=args.n_layers)
-    model = cfg.model_config(task)
-    side = int(round(args.k**0.5))
-    lrs = tuple(float(v) for v in np.geomspace(1e-3, 1e-2, side))
-    wds = tuple(float(v) for v in np.geomspace(1e-2, 1.0, args.k // side))
-    spec = compare.OptimizerSpec(
-        "adamw", "AdamW", False, od.adamw, (("decay_convention", "lr"),), None, lrs, wds
-    )
-    make_tx = compare.make_tx_factory(spec, args.steps, args.steps // 10, 1.0)
-    hp, seeds = train_lib.product_grid({"learning_rate": lrs, "weight_decay": wds}, [0])
+    task, model, make_tx, hp, seeds, base = _grid_setup(args)
     k = len(seeds)
-    base = train_lib.TrainConfig(
-        steps=args.steps, eval_every=args.steps, eval_splits=(), final_splits=(), progress=False
-    )
+    if args.child:
+        _child(args, task, model, make_tx, hp, seeds, base)
+        return
 
     def one_program(loop: train_lib.TrainConfig):
         def run() -> None:
@@ -110,6 +114,11 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+    floor = _floor(args, k) if args.floor else None
+    if floor is not None:
+        name = f"floor: {floor['processes']} pinned processes, side by side"
+        times[name] = floor["times_s"]
+        contenders[name] = None
     med = {n: statistics.median(v) for n, v in times.items()}
     ratios = {n: med[n] / med["sequential"] for n in med}
     load = os.getloadavg()
@@ -134,6 +143,7 @@ def main() -> None:
                 "median_s": med,
                 "ratio": ratio,
                 "ratios": ratios,
+                "floor": floor,
                 "program_devices": n_dev,
                 "config_chunk": chunk,
                 "loadavg": load,
@@ -142,6 +152,93 @@ def main() -> None:
             f,
             indent=1,
         )
+
+
+def _grid_setup(args):
+    """The task, model, optimizer factory, K configurations and loop of every contender."""
+    import optax_decoupled as od
+    from optax_decoupled.experiments import compare, tasks
+    from optax_decoupled.experiments import train as train_lib
+
+    task = tasks.sequential_digits(batch_size=args.batch_size)
+    cfg = compare.CompareConfig(d_model=args.d_model, n_layers=args.n_layers)
+    model = cfg.model_config(task)
+    side = int(round(args.k**0.5))
+    lrs = tuple(float(v) for v in np.geomspace(1e-3, 1e-2, side))
+    wds = tuple(float(v) for v in np.geomspace(1e-2, 1.0, args.k // side))
+    spec = compare.OptimizerSpec(
+        "adamw", "AdamW", False, od.adamw, (("decay_convention", "lr"),), None, lrs, wds
+    )
+    make_tx = compare.make_tx_factory(spec, args.steps, args.steps // 10, 1.0)
+    hp, seeds = train_lib.product_grid({"learning_rate": lrs, "weight_decay": wds}, [0])
+    base = train_lib.TrainConfig(
+        steps=args.steps, eval_every=args.steps, eval_splits=(), final_splits=(), progress=False
+    )
+    return task, model, make_tx, hp, seeds, base
+
+
+def _floor(args, k: int) -> dict | None:
+    """Times ``--floor``: one child process per core (``--child CPU:FIRST:STOP``), each
+    pinned to its core, training configurations FIRST..STOP-1 one at a time. The children
+    compile and print ``ready``; once all have, each is told ``go`` and times ``--repeats``
+    runs, printing them as JSON."""
+    if not hasattr(os, "sched_getaffinity"):
+        print("  --floor: needs os.sched_setaffinity (Linux); skipped")
+        return None
+    cpus = sorted(os.sched_getaffinity(0))[:k]
+    bounds = np.linspace(0, k, len(cpus) + 1).round().astype(int)
+    argv = [a for a in sys.argv[1:] if a != "--floor"]
+    children = [
+        subprocess.Popen(
+            [sys.executable, __file__, *argv, "--child", f"{cpu}:{lo}:{hi}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for cpu, lo, hi in zip(cpus, bounds[:-1], bounds[1:], strict=True)
+    ]
+    for c in children:
+        if c.stdout.readline().strip() != "ready":
+            raise RuntimeError("a --floor child failed before timing")
+    for c in children:
+        c.stdin.write("go\n")
+        c.stdin.flush()
+    results = [json.loads(c.communicate()[0]) for c in children]
+    medians = [statistics.median(r) for r in results]
+    slowest = int(np.argmax(medians))
+    return {
+        "processes": len(children),
+        "configs_per_process": np.diff(bounds).tolist(),
+        "times_s": results[slowest],
+        "process_medians_s": medians,
+    }
+
+
+def _child(args, task, model, make_tx, hp, seeds, base) -> None:
+    """One ``--floor`` process: its configurations, one at a time, on its one core."""
+    import jax
+
+    from optax_decoupled.experiments import train as train_lib
+
+    _, lo, hi = (int(v) for v in args.child.split(":"))
+    loop = dataclasses.replace(base, shard_configs=False)
+
+    def run() -> None:
+        part = {n: v[lo:hi] for n, v in hp.items()}
+        res = train_lib.train_grid(
+            task, model, make_tx, part, seeds[lo:hi], loop, keep_params=False
+        )
+        jax.block_until_ready(res.params)
+
+    run()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    print(json.dumps(times), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ decision point of both maps.
 """
 
 import os
+import warnings
 
 import chex
 import jax
@@ -421,6 +422,7 @@ def test_without_the_extension_the_xla_loop_is_used(monkeypatch):
     """A package built without a C++ compiler has no extension: `available()` is False with
     a reason, and 8-bit optimizers run XLA's loop."""
     monkeypatch.setattr(cpu_kernel, "_library_path", lambda: None)
+    monkeypatch.setattr(cpu_kernel, "_warned", False)
     cpu_kernel._register.cache_clear()
     try:
         assert not cpu_kernel.available()
@@ -429,11 +431,26 @@ def test_without_the_extension_the_xla_loop_is_used(monkeypatch):
         tx = od.adamw(1e-2, weight_decay=0.1, mask=None, state_dtype="int8")
         state = tx.init(params)
         step = jax.jit(lambda p, s: tx.update(jax.tree.map(jnp.sin, p), s, p))
-        lowered = step.lower(params, state).as_text()
+        if jax.default_backend() == "cpu":  # the user is told, once, and why
+            with pytest.warns(RuntimeWarning, match="kernel .* is unavailable .*not built"):
+                lowered = step.lower(params, state).as_text()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                step.lower(params, state)
+        else:
+            lowered = step.lower(params, state).as_text()
         assert cpu_kernel.TARGET not in lowered
         assert "stablehlo.while" in lowered
         updates, _ = step(params, state)
         assert np.all(np.isfinite(np.asarray(updates["w"])))
+        # Choosing the loop explicitly is not warned about.
+        monkeypatch.setattr(cpu_kernel, "_warned", False)
+        explicit = od.adamw(
+            1e-2, weight_decay=0.1, mask=None, state_dtype=od.BlockwiseInt8Storage(cpu_kernel=False)
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            jax.jit(lambda p, s: explicit.update(p, s, p)).lower(params, explicit.init(params))
     finally:
         monkeypatch.undo()
         cpu_kernel._register.cache_clear()

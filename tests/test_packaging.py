@@ -151,8 +151,11 @@ def test_wheel_installs_and_works_with_core_dependencies_only(tmp_path):
         names = zf.namelist()
         metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "optax_decoupled/py.typed" in names
-    # The compiled CPU kernel (built with the machine's C++ compiler) is in the wheel.
-    assert [n for n in names if re.fullmatch(r"optax_decoupled/_requantize_cpu\..*\.so", n)]
+    # The compiled CPU kernel (built with the machine's C++ compiler) is in the wheel, unless
+    # the build was told to leave it out (pip passes the environment to setup.py).
+    with_kernel = os.environ.get("OPTAX_DECOUPLED_NO_KERNEL") != "1"
+    kernels = [n for n in names if re.fullmatch(r"optax_decoupled/_requantize_cpu\..*\.so", n)]
+    assert bool(kernels) == with_kernel, kernels
     assert any(n.endswith("LICENSE") for n in names), "the wheel should carry the license"
     assert not [n for n in names if n.split("/")[0] in ("tests", "notebooks", "docs", "benchmarks")]
     assert any(n.endswith("entry_points.txt") for n in names)
@@ -182,7 +185,8 @@ def test_wheel_installs_and_works_with_core_dependencies_only(tmp_path):
     outside.mkdir()
     assert run([python, "-c", CHECK_IMPORTS], cwd=outside).strip() == optax_decoupled.__version__
     assert run([python, "-c", ONE_STEP], cwd=outside).strip() == "ok"
-    assert run([python, "-c", KERNEL_STEP], cwd=outside).strip() == "kernel ok"
+    if with_kernel:
+        assert run([python, "-c", KERNEL_STEP], cwd=outside).strip() == "kernel ok"
     where = run([python, "-c", "import optax_decoupled; print(optax_decoupled.__file__)"],
                 cwd=outside)  # fmt: skip
     assert str(venv) in where, where

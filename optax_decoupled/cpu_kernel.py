@@ -27,8 +27,9 @@ with ``jax.export``, which may run where the kernel is not registered (and which
 
 If the extension was not built (no C++ compiler at install time) or cannot be loaded,
 :func:`available` is ``False`` and 8-bit storage uses XLA's chunk loop (the same results up
-to float32 rounding, 1.5-2x slower steps): the first 8-bit update traced with the CPU as the
-default backend says so with a :class:`RuntimeWarning` that gives :func:`unavailable_reason`.
+to float32 rounding; AdamW steps measured 1.1-1.7x slower, ``docs/memory.md``): the first
+8-bit update traced with the CPU as the default backend says so with a
+:class:`RuntimeWarning` that gives :func:`unavailable_reason`.
 ``BlockwiseInt8Storage(cpu_kernel=False)`` chooses the XLA loop explicitly (no warning).
 GPUs and TPUs never use the kernel.
 """
@@ -209,8 +210,9 @@ def _warn_unavailable() -> None:
     warnings.warn(
         f"optax_decoupled: the compiled CPU kernel for 8-bit optimizer state is unavailable "
         f"({unavailable_reason()}); 8-bit updates use XLA's loop, with the same results but "
-        "1.5-2x slower steps. Reinstall with a C++ compiler present to build it, or pass "
-        "state_dtype=optax_decoupled.BlockwiseInt8Storage(cpu_kernel=False) to choose the loop.",
+        "slower steps (up to about 1.7x). Reinstall with a C++ compiler present to build it, "
+        "or pass state_dtype=optax_decoupled.BlockwiseInt8Storage(cpu_kernel=False) to "
+        "choose the loop.",
         RuntimeWarning,
         stacklevel=2,
     )

@@ -9,13 +9,15 @@ dtype is timed in turns with float32 (fp32, int8, fp32, int8, ...; then fp32, bf
 that a machine shared with other jobs slows both alike, and its ratio is taken against the
 float32 steps of its own turns; medians of ``--repeats`` steps are reported. ``int8`` is the
 default 8-bit storage (on CPU the compiled kernel, ``optax_decoupled.cpu_kernel``);
-``int8-loop`` is the same storage with ``cpu_kernel=False`` (XLA's chunk loop).
+``int8-loop`` is the same storage with ``cpu_kernel=False`` (XLA's chunk loop). Likewise
+``bfloat16`` is the default bfloat16 storage (on CPU the compiled kernel for bfloat16
+moments) and ``bfloat16-xla`` the same with ``cpu_kernel=False`` (XLA's own program).
 
 Why pairs: a step whose program allocates temporaries (8-bit and bf16 state do, float32 does
 not) is slower when other programs with big temporaries run between its steps, since
 glibc's allocator then maps fresh memory for them more often. A training loop runs one
-program. ``--rotation all`` times all dtypes in one rotation (fp32, bf16, int8, int8-loop,
-fp32, ...) to show the difference (docs/memory.md). For the same reason the allocator's
+program. ``--rotation all`` times all dtypes in one rotation (fp32, bf16, bf16-xla, int8,
+int8-loop, fp32, ...) to show the difference (docs/memory.md). For the same reason the allocator's
 settings matter: under glibc, XLA's per-step temporaries above 32 MiB are mapped afresh on
 every step unless e.g. ``GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:``
 ``glibc.malloc.trim_threshold=4000000000`` is set (docs/memory.md); the run records them.
@@ -41,17 +43,21 @@ import optax
 
 import optax_decoupled as od
 from optax_decoupled import cpu_kernel, memory
-from optax_decoupled.storage import BlockwiseInt8Storage
+from optax_decoupled.storage import BlockwiseInt8Storage, FloatStorage
 
-STATE_DTYPES = ("float32", "bfloat16", "int8", "int8-loop")
+STATE_DTYPES = ("float32", "bfloat16", "bfloat16-xla", "int8", "int8-loop")
 #: Environment variables that tune glibc's or jemalloc's allocator (recorded with the results).
 MALLOC_ENV = ("GLIBC_TUNABLES", "MALLOC_", "LD_PRELOAD")
 
 
 def _storage(name):
-    # "int8" is the default 8-bit storage (on CPU: the compiled kernel when it is built);
-    # "int8-loop" the same storage with XLA's chunk loop, for comparison.
-    return BlockwiseInt8Storage(cpu_kernel=False) if name == "int8-loop" else name
+    # "int8" and "bfloat16" are the default storages (on CPU: the compiled kernels when they
+    # are built); "int8-loop" and "bfloat16-xla" the same storages with XLA's own programs.
+    if name == "int8-loop":
+        return BlockwiseInt8Storage(cpu_kernel=False)
+    if name == "bfloat16-xla":
+        return FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False)
+    return name
 
 
 def make_step(state_dtype):
@@ -116,17 +122,20 @@ def bench_size(shape, repeats: int, rotation: str = "pairs") -> dict:
 def markdown(results: list[dict]) -> str:
     lines = [
         "| parameters | shape | state fp32 | state bf16 | state int8 | int8/fp32 state "
-        "| step fp32 (ms) | step bf16 (ms) | step int8 (ms) | step int8, XLA loop (ms) "
-        "| bf16/fp32 time | int8/fp32 time | int8 XLA loop/fp32 time |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step fp32 (ms) | step bf16 (ms) | step bf16, XLA (ms) | step int8 (ms) "
+        "| step int8, XLA loop (ms) | bf16/fp32 time | bf16 XLA/fp32 time | int8/fp32 time "
+        "| int8 XLA loop/fp32 time |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         f, b, q, lp = r["float32"], r["bfloat16"], r["int8"], r["int8-loop"]
+        bx = r["bfloat16-xla"]
         fb, bb, qb = (memory.format_bytes(x["state_bytes"]) for x in (f, b, q))
         lines.append(
             f"| {r['num_params']:,} | {tuple(r['shape'])} | {fb} | {bb} | {qb} "
             f"| {q['state_ratio']:.4f} | {f['step_ms_median']:.1f} | {b['step_ms_median']:.1f} "
-            f"| {q['step_ms_median']:.1f} | {lp['step_ms_median']:.1f} | {b['time_ratio']:.2f} "
+            f"| {bx['step_ms_median']:.1f} | {q['step_ms_median']:.1f} "
+            f"| {lp['step_ms_median']:.1f} | {b['time_ratio']:.2f} | {bx['time_ratio']:.2f} "
             f"| {q['time_ratio']:.2f} | {lp['time_ratio']:.2f} |"
         )
     return "\n".join(lines)
@@ -172,7 +181,7 @@ def main(argv=None) -> list[dict]:
     kernel = "built" if env["cpu_kernel"] else f"not available: {cpu_kernel.unavailable_reason()}"
     if env["cpu_kernel_avx512"]:
         kernel += " (AVX-512 decode)"
-    print(f"compiled CPU kernel for int8: {kernel}")
+    print(f"compiled CPU kernels for int8 and bfloat16 moments: {kernel}")
     rotation = (
         "in turns with float32, one dtype at a time"
         if args.rotation == "pairs"

@@ -21,7 +21,7 @@ from optax_decoupled.packing import (
     packed_layout,
     packed_transform,
 )
-from optax_decoupled.storage import BlockwiseInt8Storage, resolve_storage
+from optax_decoupled.storage import BlockwiseInt8Storage, FloatStorage, resolve_storage
 from optax_decoupled.transforms import (
     AMSGRAD_VARIANTS,
     DECAY_CONVENTIONS,
@@ -45,6 +45,7 @@ __all__ = [
     "BlockwiseInt8Storage",
     "DecayMask",
     "DecoupledWeightDecayState",
+    "FloatStorage",
     "ScaleByAdamState",
     "ScaleByLionState",
     "__version__",

@@ -1,4 +1,4 @@
-r"""The compiled CPU kernel for 8-bit moment updates (an XLA FFI custom call).
+r"""The compiled CPU kernels for 8-bit and bfloat16 moment updates (XLA FFI custom calls).
 
 On CPU, :func:`optax_decoupled.quantization.requantize` runs the moment update of Adam,
 AMSGrad and Lion (an :class:`~optax_decoupled.moment_updates.EmaMoments`) on 8-bit state as
@@ -25,13 +25,21 @@ so :func:`single_device_or` chooses when the program is lowered, and sharded pro
 with ``jax.export``, which may run where the kernel is not registered (and which
 ``jax.export`` would refuse: the call has no compatibility guarantees).
 
+The same library has a second handler, :func:`ema_bf16`, for moments stored in bfloat16
+(``state_dtype="bfloat16"`` of float32 parameters): one pass that widens each stored moment,
+applies the moving averages in float32 and writes the new moments, rounded to nearest-even,
+in place, with a copy of the old ones for the transform's output, where XLA:CPU's own
+program copies the old moments and makes two passes (``docs/memory.md``, *bfloat16 state*).
+It is chosen as the 8-bit kernel is (:func:`applies_bf16`, :func:`single_device_or`), and
+``FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False)`` turns it off.
+
 If the extension was not built (no C++ compiler at install time) or cannot be loaded,
-:func:`available` is ``False`` and 8-bit storage uses XLA's chunk loop (the same results up
-to float32 rounding; AdamW steps measured 1.1-1.7x slower, ``docs/memory.md``): the first
-8-bit update traced with the CPU as the default backend says so with a
-:class:`RuntimeWarning` that gives :func:`unavailable_reason`.
-``BlockwiseInt8Storage(cpu_kernel=False)`` chooses the XLA loop explicitly (no warning).
-GPUs and TPUs never use the kernel.
+:func:`available` is ``False``, 8-bit storage uses XLA's chunk loop and bfloat16 storage
+XLA's own program (the same results up to float32 rounding; 8-bit AdamW steps measured
+1.1-1.7x slower, bfloat16 ones 1.2-1.8x, ``docs/memory.md``): the first such update traced
+with the CPU as the default backend says so with a :class:`RuntimeWarning` that gives
+:func:`unavailable_reason`. ``cpu_kernel=False`` on the storage chooses XLA's program
+explicitly (no warning). GPUs and TPUs never use the kernels.
 """
 
 from __future__ import annotations
@@ -56,6 +64,9 @@ from optax_decoupled import quantization as quant_lib
 TARGET = "optax_decoupled_requantize_ema"
 _LIBRARY = "_requantize_cpu"
 _SYMBOL = "OdRequantizeEma"
+#: Name of the FFI target for bfloat16 moments (:func:`ema_bf16`).
+BF16_TARGET = "optax_decoupled_ema_bf16"
+_BF16_SYMBOL = "OdEmaBf16"
 
 #: Header length of an encoder table (csrc/requantize_cpu.cc).
 _HEADER = 8
@@ -93,6 +104,9 @@ def _register() -> bool:
     try:
         lib = ctypes.CDLL(str(path))
         ffi.register_ffi_target(TARGET, ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+        ffi.register_ffi_target(
+            BF16_TARGET, ffi.pycapsule(getattr(lib, _BF16_SYMBOL)), platform="cpu"
+        )
     except Exception as e:  # noqa: BLE001 - any failure means: use the XLA path
         _load_error = f"loading {path.name} failed: {e!r}"
         return False
@@ -208,11 +222,12 @@ def _warn_unavailable() -> None:
         return
     _warned = True
     warnings.warn(
-        f"optax_decoupled: the compiled CPU kernel for 8-bit optimizer state is unavailable "
-        f"({unavailable_reason()}); 8-bit updates use XLA's loop, with the same results but "
-        "slower steps (up to about 1.7x). Reinstall with a C++ compiler present to build it, "
-        "or pass state_dtype=optax_decoupled.BlockwiseInt8Storage(cpu_kernel=False) to "
-        "choose the loop.",
+        f"optax_decoupled: the compiled CPU kernel for 8-bit and bfloat16 optimizer state is "
+        f"unavailable ({unavailable_reason()}); their updates use XLA's own programs, with the "
+        "same results but slower steps (up to about 1.7x for 8-bit, 1.8x for bfloat16 state). "
+        "Reinstall with a C++ compiler present to build it, or pass "
+        "state_dtype=optax_decoupled.BlockwiseInt8Storage(cpu_kernel=False) (or "
+        "FloatStorage(jnp.bfloat16, 'bfloat16', cpu_kernel=False)) to choose XLA's program.",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -242,17 +257,7 @@ def requantize_ema(
     """
     if not available():
         raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
-    coef = []
-    for k in range(2):
-        if k < len(update.decays):
-            beta = update.decays[k]
-            one_minus = 1 - beta  # as jnp computes it: in Python for floats, else float32
-            coef += [_f32_coefficient(one_minus), _f32_coefficient(beta)]
-        else:
-            coef += [jnp.float32(0), jnp.float32(0)]
-    divisor = update.max_divisor
-    coef.append(jnp.float32(1) if divisor is None else _f32_coefficient(divisor))
-    args = [g, jnp.stack(coef)]
+    args = [g, _coefficients(update)]
     out_types = []
     for q in stored:
         qmap = jnp.asarray(quant_lib._dynamic_map(q.signed))
@@ -270,16 +275,8 @@ def requantize_ema(
     call = jax.ffi.ffi_call(
         TARGET, out_types, vmap_method="sequential", input_output_aliases=aliases
     )
-    powers = list(update.powers) + [1] * (2 - len(update.powers))
     outs = call(
-        *args,
-        n_ema=np.int64(len(update.decays)),
-        has_max=np.int64(update.running_max),
-        max_divide=np.int64(divisor is not None),
-        power0=np.int64(powers[0]),
-        power1=np.int64(powers[1]),
-        portable=np.int64(PORTABLE_ONLY),
-        emit_old=np.int64(emit_old),
+        *args, **_layout(update), portable=np.int64(PORTABLE_ONLY), emit_old=np.int64(emit_old)
     )
     groups = [
         tuple(
@@ -289,6 +286,88 @@ def requantize_ema(
         for o in range(0, len(outs), 2 * len(stored))
     ]
     return tuple(groups) if emit_old else groups[0]
+
+
+def _coefficients(update: moment_updates.EmaMoments) -> jax.Array:
+    """The kernels' float32 coefficients ``[1 - b1, b1, 1 - b2, b2, divisor]`` (zeros for
+    a missing second average, 1 for no divisor)."""
+    coef = []
+    for k in range(2):
+        if k < len(update.decays):
+            beta = update.decays[k]
+            one_minus = 1 - beta  # as jnp computes it: in Python for floats, else float32
+            coef += [_f32_coefficient(one_minus), _f32_coefficient(beta)]
+        else:
+            coef += [jnp.float32(0), jnp.float32(0)]
+    divisor = update.max_divisor
+    coef.append(jnp.float32(1) if divisor is None else _f32_coefficient(divisor))
+    return jnp.stack(coef)
+
+
+def _layout(update: moment_updates.EmaMoments) -> dict[str, np.int64]:
+    """The kernels' attributes that describe ``update``'s moments."""
+    powers = list(update.powers) + [1] * (2 - len(update.powers))
+    return dict(
+        n_ema=np.int64(len(update.decays)),
+        has_max=np.int64(update.running_max),
+        max_divide=np.int64(update.max_divisor is not None),
+        power0=np.int64(powers[0]),
+        power1=np.int64(powers[1]),
+    )
+
+
+def applies_bf16(update: Any, stored: tuple[Any, ...], operands: tuple[Any, ...]) -> bool:
+    """Whether :func:`ema_bf16` can compute ``update`` on these arguments: an
+    :class:`~optax_decoupled.moment_updates.EmaMoments` with float32 coefficients on
+    bfloat16 moments and a float32 gradient of the same shape, outside ``shard_map``."""
+    if not isinstance(update, moment_updates.EmaMoments):
+        return False
+    if not available():
+        _warn_unavailable()
+        return False
+    if len(stored) != update.num_stored or len(operands) != 1:
+        return False
+    g = operands[0]
+    if jnp.result_type(g) != jnp.float32:
+        return False
+    if any(jnp.result_type(m) != jnp.bfloat16 or jnp.shape(m) != jnp.shape(g) for m in stored):
+        return False
+    if in_manual_context(g, *stored):
+        return False
+    coefficients = [*update.decays]
+    if update.max_divisor is not None:
+        coefficients.append(update.max_divisor)
+    return all(_f32_coefficient(c) is not None for c in coefficients)
+
+
+def ema_bf16(
+    update: moment_updates.EmaMoments,
+    stored: tuple[jax.Array, ...],
+    g: jax.Array,
+    *,
+    emit_old: bool = False,
+) -> Any:
+    """``update(*stored (as float32), g)`` rounded to bfloat16, by the compiled kernel.
+
+    Call only where :func:`applies_bf16` is true and on the CPU. The new moments equal
+    ``update``'s float32 values (each multiply and add rounded, denormals flushed to zero as
+    XLA:CPU computes) rounded to nearest-even, as ``jnp``'s ``astype`` rounds them. With
+    ``emit_old`` the result is ``(new, old)`` and the new moments are written in
+    place of ``stored``, as :func:`requantize_ema` does for 8-bit moments.
+    """
+    if not available():
+        raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
+    out_types = [jax.ShapeDtypeStruct(m.shape, jnp.bfloat16) for m in stored]
+    aliases = {}
+    if emit_old:
+        out_types = out_types * 2
+        aliases = {2 + k: k for k in range(len(stored))}
+    call = jax.ffi.ffi_call(
+        BF16_TARGET, out_types, vmap_method="sequential", input_output_aliases=aliases
+    )
+    outs = call(g, _coefficients(update), *stored, **_layout(update), emit_old=np.int64(emit_old))
+    n = len(stored)
+    return (tuple(outs[:n]), tuple(outs[n:])) if emit_old else tuple(outs)
 
 
 # --- Choosing the kernel per compiled program -------------------------------------------------

@@ -21,12 +21,15 @@ Accepted ``state_dtype`` values:
 ``None``               the parameter's own dtype, no casts (what Optax does)
 ``"float32"``          float32 moments (e.g. for bfloat16/float16 parameters)
 ``"bfloat16"``         bfloat16 moments, round-to-nearest-even on write
+                       (:class:`FloatStorage`; on CPU the moving averages run in a
+                       compiled kernel)
 ``"float16"``          float16 moments
 ``"int8"``             8-bit block-wise quantized moments (:class:`BlockwiseInt8Storage`
                        with its defaults: blocks of 256, tensors under 4096 elements in
                        float32)
 a storage object       any :class:`MomentStorage`, e.g.
-                       ``BlockwiseInt8Storage(block_size=2048, min_size=0)``
+                       ``BlockwiseInt8Storage(block_size=2048, min_size=0)`` or
+                       ``FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False)``
 =====================  ==========================================================
 
 ``jnp.float32``, ``jnp.bfloat16`` and ``numpy.dtype`` objects are accepted too. Inside
@@ -51,6 +54,7 @@ sharding).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 import jax
@@ -108,6 +112,12 @@ def update_moments(
     return _read_compute_write(store, fn, stored, operands, like, signed, return_old)
 
 
+def _bf16_kernel_applies(fn, stored, operands) -> bool:
+    from optax_decoupled import cpu_kernel  # imports quantization, which imports nothing here
+
+    return cpu_kernel.applies_bf16(fn, tuple(stored), tuple(operands))
+
+
 def _read_compute_write(store, fn, stored, operands, like, signed, return_old=False):
     values = fn(*(store.read(s, like) for s in stored), *operands)
     new = tuple(store.write(v, like, signed=sg) for v, sg in zip(values, signed, strict=True))
@@ -135,10 +145,28 @@ class ParamDtypeStorage:
 
 @dataclasses.dataclass(frozen=True)
 class FloatStorage:
-    """Moments stored in a fixed floating dtype, computed in the promoted dtype."""
+    """Moments stored in a fixed floating dtype, computed in the promoted dtype.
+
+    Attributes:
+      dtype: the storage dtype.
+      name: a label.
+      cpu_kernel: for bfloat16 moments of float32 parameters on CPU, update the moments of
+        Adam, AMSGrad and Lion with the compiled kernel when it is built
+        (:func:`optax_decoupled.cpu_kernel.ema_bf16`; default ``True``): one pass that reads
+        each stored moment once and writes the new one in place, where XLA:CPU's own
+        program copies the old moments and makes two passes. The same values, except where
+        XLA's program contracts a multiply-add (a few moments in a million, one bfloat16
+        step apart; ``tests/test_cpu_kernel_bf16.py``). Other dtypes and platforms ignore
+        it.
+    """
 
     dtype: Any
     name: str = "float"
+    cpu_kernel: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.cpu_kernel, bool):
+            raise ValueError(f"`cpu_kernel` must be True or False, got {self.cpu_kernel!r}.")
 
     def init(self, param: jax.Array, signed: bool) -> jax.Array:
         del signed
@@ -150,6 +178,47 @@ class FloatStorage:
     def write(self, value: jax.Array, like: jax.Array, signed: bool) -> jax.Array:
         del like, signed
         return value.astype(self.dtype)
+
+    def update(
+        self,
+        fn: Any,
+        stored: tuple[Any, ...],
+        operands: tuple[jax.Array, ...],
+        like: jax.Array,
+        signed: tuple[bool, ...],
+        return_old: bool = False,
+    ) -> Any:
+        """:func:`update_moments`: the read-compute-write, or on CPU, for bfloat16 moments
+        of a moving-average update, the compiled kernel (in programs compiled for one
+        device, like 8-bit storage's; see :mod:`optax_decoupled.cpu_kernel`)."""
+        plain = functools.partial(_read_compute_write, self, like=like, signed=signed)
+        if not (
+            self.cpu_kernel
+            and jnp.dtype(self.dtype) == jnp.bfloat16
+            and jnp.promote_types(self.dtype, jnp.result_type(like)) == jnp.float32
+            and _bf16_kernel_applies(fn, stored, operands)
+        ):
+            return plain(fn, stored, operands, return_old=return_old)
+        from optax_decoupled import cpu_kernel
+
+        n_in = len(stored) + len(operands)
+        dynamic, rebuild = fn.split_dynamic()
+
+        def compiled(*args):
+            ms, g = args[: len(stored)], args[len(stored)]
+            return cpu_kernel.ema_bf16(rebuild(args[n_in:]), ms, g, emit_old=return_old)
+
+        def default(*args):
+            ms, ops = args[: len(stored)], args[len(stored) : n_in]
+            return plain(rebuild(args[n_in:]), ms, ops, return_old=return_old)
+
+        out_like = tuple(stored)
+        out_like = (out_like, out_like) if return_old else out_like
+
+        def on_cpu(*args):
+            return cpu_kernel.single_device_or(compiled, default, *args, out_like=out_like)
+
+        return jax.lax.platform_dependent(*stored, *operands, *dynamic, cpu=on_cpu, default=default)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -457,6 +457,165 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
   return ffi::Error::Success();
 }
 
+
+// --- bfloat16 moments ---------------------------------------------------------------------
+//
+// The same moving averages (and running max) on moments stored in bfloat16, computed in
+// float32 as jnp computes them: widen each stored value (exact), update (each multiply and
+// add rounded, denormals flushed to zero as XLA:CPU does), and round the new value to
+// bfloat16, nearest-even, as XLA converts (a NaN stays a quiet NaN). XLA:CPU itself writes the new moments and the transform's output in two loops and
+// copies the old moments first (docs/memory.md); this reads each element once, writes the
+// new moments in place and, with emit_old, a copy of the old ones for the output.
+
+// XLA:CPU runs its programs with denormal inputs and results flushed to zero; so does this
+// kernel, on whichever thread a task runs (x86: the MXCSR's DAZ and FTZ bits).
+class ScopedFlushDenormals {
+ public:
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  ScopedFlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~ScopedFlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
+inline float Bf16ToF32(uint16_t h) { return FloatOf(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t F32ToBf16(float x) {
+  const uint32_t u = BitsOf(x);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+struct Bf16Args {
+  const float* g;
+  const uint16_t* in[3];
+  uint16_t* out[3];
+  uint16_t* old[3];  // null without emit_old
+  float c_in[2], c_keep[2], divisor;
+  int power[2];
+  int n_ema, has_max, divide;
+};
+
+// Elements [begin, end): every input of an element is read before its outputs are written,
+// so `out` may alias `in`.
+OD_CLONES void EmaBf16Range(const Bf16Args& a, int64_t begin, int64_t end) {
+  const float* __restrict g = a.g;
+  for (int k = 0; k < a.n_ema + a.has_max; ++k) {
+    if (a.old[k] != nullptr) {
+      std::memcpy(a.old[k] + begin, a.in[k] + begin, static_cast<size_t>(end - begin) * 2);
+    }
+  }
+  if (a.n_ema == 1) {
+    const uint16_t* __restrict in0 = a.in[0];
+    uint16_t* __restrict out0 = a.out[0];
+    const float ci = a.c_in[0], ck = a.c_keep[0];
+    const bool sq = a.power[0] == 2;
+    for (int64_t i = begin; i < end; ++i) {
+      const float src = sq ? g[i] * g[i] : g[i];
+      const float t1 = ci * src;
+      const float t2 = ck * Bf16ToF32(in0[i]);
+      out0[i] = F32ToBf16(t1 + t2);
+    }
+    return;
+  }
+  const uint16_t* __restrict in0 = a.in[0];
+  const uint16_t* __restrict in1 = a.in[1];
+  uint16_t* __restrict out0 = a.out[0];
+  uint16_t* __restrict out1 = a.out[1];
+  const float ci0 = a.c_in[0], ck0 = a.c_keep[0], ci1 = a.c_in[1], ck1 = a.c_keep[1];
+  const bool sq0 = a.power[0] == 2, sq1 = a.power[1] == 2;
+  if (!a.has_max) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float gi = g[i], gg = gi * gi;
+      const float m0 = ci0 * (sq0 ? gg : gi) + ck0 * Bf16ToF32(in0[i]);
+      const float m1 = ci1 * (sq1 ? gg : gi) + ck1 * Bf16ToF32(in1[i]);
+      out0[i] = F32ToBf16(m0);
+      out1[i] = F32ToBf16(m1);
+    }
+    return;
+  }
+  const uint16_t* __restrict in2 = a.in[2];
+  uint16_t* __restrict out2 = a.out[2];
+  const float d = a.divisor;
+  const bool divide = a.divide != 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const float gi = g[i], gg = gi * gi;
+    const float m0 = ci0 * (sq0 ? gg : gi) + ck0 * Bf16ToF32(in0[i]);
+    const float m1 = ci1 * (sq1 ? gg : gi) + ck1 * Bf16ToF32(in1[i]);
+    const float seen = divide ? m1 / d : m1;
+    const float prev = Bf16ToF32(in2[i]);
+    const float m2 = (prev > seen || prev != prev) ? prev : seen;
+    out0[i] = F32ToBf16(m0);
+    out1[i] = F32ToBf16(m1);
+    out2[i] = F32ToBf16(m2);
+  }
+}
+
+ffi::Error EmaBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> coef,
+                       ffi::RemainingArgs rest, ffi::RemainingRets rets, int64_t n_ema,
+                       int64_t has_max, int64_t max_divide, int64_t power0, int64_t power1,
+                       int64_t emit_old) {
+  const int64_t n_moments = n_ema + has_max;
+  if (n_ema < 1 || n_ema > 2 || has_max < 0 || has_max > 1 || (has_max && n_ema != 2)) {
+    return ffi::Error::InvalidArgument("ema_bf16: unsupported moment layout");
+  }
+  if (rest.size() != static_cast<size_t>(n_moments) ||
+      rets.size() != static_cast<size_t>(n_moments * (emit_old ? 2 : 1))) {
+    return ffi::Error::InvalidArgument("ema_bf16: wrong number of operands");
+  }
+  if (coef.element_count() != 5) {
+    return ffi::Error::InvalidArgument("ema_bf16: coef must have 5 entries");
+  }
+  const int64_t size = static_cast<int64_t>(g.element_count());
+  Bf16Args a{};
+  a.g = g.typed_data();
+  for (int64_t k = 0; k < n_moments; ++k) {
+    auto in = rest.get<ffi::Buffer<ffi::BF16>>(k);
+    auto out = rets.get<ffi::Buffer<ffi::BF16>>(k);
+    if (!in.has_value() || !out.has_value()) {
+      return ffi::Error::InvalidArgument("ema_bf16: operand of the wrong type");
+    }
+    if (static_cast<int64_t>(in->element_count()) != size ||
+        static_cast<int64_t>((*out)->element_count()) != size) {
+      return ffi::Error::InvalidArgument("ema_bf16: moments must have the gradient's size");
+    }
+    a.in[k] = reinterpret_cast<const uint16_t*>(in->untyped_data());
+    a.out[k] = reinterpret_cast<uint16_t*>((*out)->untyped_data());
+    a.old[k] = nullptr;
+    if (emit_old) {
+      auto old = rets.get<ffi::Buffer<ffi::BF16>>(n_moments + k);
+      if (!old.has_value() || static_cast<int64_t>((*old)->element_count()) != size) {
+        return ffi::Error::InvalidArgument("ema_bf16: operand of the wrong type");
+      }
+      a.old[k] = reinterpret_cast<uint16_t*>((*old)->untyped_data());
+    }
+  }
+  const float* c = coef.typed_data();
+  a.c_in[0] = c[0];
+  a.c_keep[0] = c[1];
+  a.c_in[1] = c[2];
+  a.c_keep[1] = c[3];
+  a.divisor = c[4];
+  a.power[0] = static_cast<int>(power0);
+  a.power[1] = static_cast<int>(power1);
+  a.n_ema = static_cast<int>(n_ema);
+  a.has_max = static_cast<int>(has_max);
+  a.divide = static_cast<int>(max_divide);
+  for (int64_t k = 0; k < n_moments && emit_old; ++k) {
+    AdviseHugePages(a.old[k], static_cast<size_t>(size) * 2);
+  }
+  constexpr int64_t kChunk = 1 << 14;
+  const int64_t n_tasks = (size + kChunk - 1) / kChunk;
+  ParallelFor(pool, n_tasks, [&](int64_t task) {
+    ScopedFlushDenormals flush;
+    EmaBf16Range(a, task * kChunk, std::min(size, (task + 1) * kChunk));
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The exported symbols (the library is built with hidden visibility): the handler, and
@@ -481,4 +640,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OdRequantizeEma, RequantizeEmaImpl,
                                   .Attr<int64_t>("power0")
                                   .Attr<int64_t>("power1")
                                   .Attr<int64_t>("portable")
+                                  .Attr<int64_t>("emit_old"));
+
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* OdEmaBf16(
+    XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdEmaBf16, EmaBf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gradient, any shape
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // coefficients
+                                  .RemainingArgs()  // stored bfloat16 moments
+                                  .RemainingRets()  // new moments [, old copies]
+                                  .Attr<int64_t>("n_ema")
+                                  .Attr<int64_t>("has_max")
+                                  .Attr<int64_t>("max_divide")
+                                  .Attr<int64_t>("power0")
+                                  .Attr<int64_t>("power1")
                                   .Attr<int64_t>("emit_old"));

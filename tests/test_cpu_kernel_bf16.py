@@ -1,0 +1,355 @@
+"""The compiled CPU kernel for bfloat16 moments (`optax_decoupled.cpu_kernel.ema_bf16`).
+
+References: a NumPy float32 implementation of the moving averages on the widened bfloat16
+moments (the formula as written, multiplies and adds rounded separately, denormals flushed
+to zero as XLA:CPU computes), rounded to bfloat16 by `ml_dtypes`' nearest-even cast, which
+the kernel must match bit for bit; and XLA's own program (`FloatStorage(cpu_kernel=False)`)
+for whole optimizer steps.
+"""
+
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import optax_decoupled as od
+from optax_decoupled import cpu_kernel
+from optax_decoupled.moment_updates import EmaMoments
+from optax_decoupled.storage import FloatStorage
+
+NO_KERNEL = os.environ.get("OPTAX_DECOUPLED_NO_KERNEL") == "1"
+needs_kernel = pytest.mark.skipif(
+    NO_KERNEL, reason="OPTAX_DECOUPLED_NO_KERNEL=1: package built without the CPU kernel"
+)
+
+BF16 = ml_dtypes.bfloat16
+TINY = np.finfo(np.float32).tiny
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+UPDATES = {
+    "adam": (EmaMoments((0.9, 0.999), (1, 2)), 2),
+    "amsgrad": (EmaMoments((0.9, 0.999), (1, 2), running_max=True), 3),
+    "amsgrad-divided": (
+        EmaMoments((0.9, 0.999), (1, 2), running_max=True, max_divisor=0.0123),
+        3,
+    ),
+    "lion": (EmaMoments((0.99,), (1,)), 1),
+}
+
+
+def _ftz(x):
+    """Denormals to zero of the same sign (XLA:CPU's DAZ/FTZ mode)."""
+    x = np.asarray(x, np.float32)
+    return np.where(np.abs(x) < TINY, np.copysign(np.float32(0), x), x).astype(np.float32)
+
+
+def _np_update(update, stored, g):
+    """The kernel's computation in NumPy float32, rounded to bfloat16."""
+    g = _ftz(np.asarray(g, np.float32))
+    old = [_ftz(np.asarray(m).astype(np.float32)) for m in stored]
+    new = []
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        for beta, power, m in zip(update.decays, update.powers, old, strict=False):
+            c_in, c_keep = np.float32(1 - beta), np.float32(beta)
+            source = g if power == 1 else _ftz(g * g)
+            new.append(_ftz(_ftz(c_in * source) + _ftz(c_keep * m)))
+        if update.running_max:
+            seen = new[1]
+            if update.max_divisor is not None:
+                seen = _ftz(seen / np.float32(update.max_divisor))
+            prev = old[2]
+            new.append(np.where((prev > seen) | np.isnan(prev), prev, seen))
+    return [v.astype(BF16) for v in new]
+
+
+def _assert_bits_equal(got, want):
+    """Equal bfloat16 bits; NaN matches NaN (its sign is not specified by the arithmetic)."""
+    for a, b in zip(got, want, strict=True):
+        a = np.asarray(a)
+        b = np.asarray(b)
+        assert a.dtype == b.dtype == BF16 and a.shape == b.shape
+        nan_a, nan_b = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
+        np.testing.assert_array_equal(nan_a, nan_b)
+        np.testing.assert_array_equal(a.view(np.uint16)[~nan_a], b.view(np.uint16)[~nan_b])
+
+
+def _state(shape, key):
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(key), 4)
+    size = int(np.prod(shape))
+    mu = (0.1 * jax.random.normal(k1, shape)).astype(jnp.bfloat16)
+    nu = (jax.random.uniform(k2, shape) ** 4).astype(jnp.bfloat16)
+    nu_max = (jax.random.uniform(k3, shape) ** 3).astype(jnp.bfloat16)
+    g = jax.random.normal(k4, shape) * jnp.logspace(-6, 1, size).reshape(shape)
+    return mu, nu, nu_max, g
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(UPDATES))
+@pytest.mark.parametrize(
+    "shape",
+    [(300, 1001), (65536 + 17,), (37, 53), (3,), (0,)],
+    ids=["several-tasks", "ragged-task", "small", "tiny", "empty"],
+)
+def test_update_equals_numpy(name, shape):
+    update, k = UPDATES[name]
+    mu, nu, nu_max, g = _state(shape, key=len(name))
+    stored = (mu, nu, nu_max)[:k]
+    got = jax.jit(lambda s, g: cpu_kernel.ema_bf16(update, s, g))(stored, g)
+    _assert_bits_equal(got, _np_update(update, stored, g))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(UPDATES))
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+def test_emit_old_copies_the_stored_moments(name, donate):
+    """With `emit_old` the kernel also returns a copy of the moments it read and writes the
+    new ones in place; the copy equals the stored moments, donated or not."""
+    update, k = UPDATES[name]
+    mu, nu, nu_max, g = _state((300, 1001), key=len(name) + 1)
+    stored = (mu, nu, nu_max)[:k]
+    before = jax.tree.map(np.array, stored)
+    want = _np_update(update, stored, g)
+    step = jax.jit(
+        lambda s, g: cpu_kernel.ema_bf16(update, s, g, emit_old=True),
+        donate_argnums=(0,) if donate else (),
+    )
+    got, old = step(stored, g)
+    _assert_bits_equal(got, want)
+    _assert_bits_equal(old, before)
+    if not donate:
+        _assert_bits_equal(stored, before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(UPDATES))
+def test_extreme_values_equal_numpy(name):
+    """Every pair of zeros of both signs, denormals, tiny, huge, the largest finite, +-inf and
+    NaN as gradient and stored moment, values at bfloat16 rounding ties, and NaN gradients
+    with every payload bit set."""
+    special = np.array(
+        [0.0, -0.0, 1e-45, -1e-45, 1e-39, 3e-38, 1e-30, -1e-30, 1.0, -3.0, 1e30, 3.38e38,
+         -3.38e38, np.inf, -np.inf, np.nan],
+        np.float32,
+    )  # fmt: skip
+    ties = (np.arange(1, 200, dtype=np.uint32) << 16 | 0x8000).view(np.float32)  # halfway
+    # NaNs whose payload would carry into the sign bit if rounded like numbers.
+    nans = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC0FFFF], np.uint32).view(np.float32)
+    g = np.concatenate([np.repeat(special, special.size), ties, -ties, nans])
+    m = np.concatenate([np.tile(special, special.size), ties, ties, np.ones(3, np.float32)])
+    stored = tuple(jnp.asarray(np.roll(m, i).astype(BF16)) for i in range(3))
+    update, k = UPDATES[name]
+    stored = stored[:k]
+    got = jax.jit(lambda s, g: cpu_kernel.ema_bf16(update, s, g))(stored, jnp.asarray(g))
+    _assert_bits_equal(got, _np_update(update, stored, g))
+
+
+@needs_kernel
+def test_traced_coefficients_and_vmap():
+    shape = (40, 300)
+    parts = [_state(shape, key=k) for k in range(3)]
+    mu = jnp.stack([p[0] for p in parts])
+    nu = jnp.stack([p[1] for p in parts])
+    g = jnp.stack([p[3] for p in parts])
+
+    def one(mu, nu, g, b1):
+        return cpu_kernel.ema_bf16(EmaMoments((b1, 0.99), (1, 2)), (mu, nu), g, emit_old=True)
+
+    got, old = jax.jit(jax.vmap(one, in_axes=(0, 0, 0, None)))(mu, nu, g, jnp.float32(0.8))
+    _assert_bits_equal(old, (mu, nu))
+    for i, p in enumerate(parts):
+        want = _np_update(EmaMoments((np.float32(0.8), 0.99), (1, 2)), (p[0], p[1]), p[3])
+        _assert_bits_equal([x[i] for x in got], want)
+
+
+def _entry_copies(hlo_text: str, type_prefix: str) -> list[str]:
+    entry = hlo_text[hlo_text.index("\nENTRY ") :]
+    return [
+        line.strip()
+        for line in entry.splitlines()
+        if " copy(" in line and line.split("=", 1)[-1].strip().startswith(type_prefix)
+    ]
+
+
+def _step(tx):
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    return step
+
+
+OPTIMIZERS = {
+    "adamw": lambda sd: od.adamw(1e-2, weight_decay=0.1, mask=None, state_dtype=sd),
+    "amsgrad": lambda sd: od.amsgrad(1e-2, state_dtype=sd),
+    "lion": lambda sd: od.lion(1e-3, weight_decay=0.1, mask=None, state_dtype=sd),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_steps_equal_xla(name):
+    """`state_dtype="bfloat16"` steps with the kernel against XLA's own program: the same
+    parameters and moments over several steps, up to XLA contracting a multiply-add: one
+    bfloat16 step in a few moments in a million, and the parameters those moments update."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 300 * 1001).reshape(300, 1001), "b": jnp.ones(7)}
+    kernel_tx = OPTIMIZERS[name]("bfloat16")
+    xla_tx = OPTIMIZERS[name](FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False))
+    kernel_step = jax.jit(_step(kernel_tx), donate_argnums=(0, 1))
+    xla_step = jax.jit(_step(xla_tx))
+    lowered = kernel_step.lower(params, kernel_tx.init(params), params).as_text()
+    assert cpu_kernel.BF16_TARGET in lowered
+    lowered = xla_step.lower(params, xla_tx.init(params), params).as_text()
+    assert cpu_kernel.BF16_TARGET not in lowered
+    p, s = jax.tree.map(jnp.copy, params), kernel_tx.init(params)
+    xp, xs = params, xla_tx.init(params)
+    for i in range(4):
+        g = jax.tree.map(lambda x, i=i: jnp.cos((37.0 + i) * x), params)
+        p, s = kernel_step(p, s, g)
+        xp, xs = xla_step(xp, xs, g)
+    # Where a moment differs by one bfloat16 step (2**-8 relative), the update differs by
+    # at most about that fraction of the learning rate, per step.
+    chex.assert_trees_all_close(p, xp, rtol=0, atol=4 * 1e-2 * 2**-7)
+    differ = np.asarray(p["w"]) != np.asarray(xp["w"])
+    assert differ.mean() < 1e-3, differ.mean()
+    for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(xs), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype
+        if a.dtype == BF16:
+            differ = a.view(np.uint16) != b.view(np.uint16)
+            assert differ.mean() < 1e-3, differ.mean()
+            steps = np.abs(a.view(np.int16).astype(np.int32) - b.view(np.int16).astype(np.int32))
+            assert steps.max() <= 1
+        else:
+            np.testing.assert_array_equal(a, b)
+
+
+@needs_kernel
+def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
+    params = {"w": jnp.ones((300, 1001))}
+    tx = od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype="bfloat16")
+    state = tx.init(params)
+    step = _step(tx)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+    assert cpu_kernel.BF16_TARGET in compiled.as_text()
+    # The new moments go in place of the donated ones and the kernel writes the copy of the
+    # old ones the output is computed from: XLA copies no moments itself, and that copy is
+    # its only temporary (no float32 array of the parameter's size).
+    copies = _entry_copies(compiled.as_text(), "bf16[")
+    assert not copies, copies
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= state_bytes + 4096, (temp, state_bytes)
+    # XLA's own program, for comparison, copies the old moments.
+    xla_tx = od.adamw(
+        1e-3,
+        weight_decay=0.1,
+        mask=None,
+        state_dtype=FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False),
+    )
+    xla = jax.jit(_step(xla_tx), donate_argnums=(0, 1)).lower(params, state, params).compile()
+    assert cpu_kernel.BF16_TARGET not in xla.as_text()
+    for platform in ("cuda", "tpu"):
+        lowered = jax.jit(step).trace(params, state, params).lower(lowering_platforms=(platform,))
+        assert cpu_kernel.BF16_TARGET not in lowered.as_text()
+    # Other storage dtypes, and bfloat16 moments of float64 or bfloat16 parameters (computed
+    # in their own dtype), keep XLA's program.
+    for sd, p in [("float16", params), ("float32", params)]:
+        other = od.adamw(1e-3, state_dtype=sd)
+        text = jax.jit(_step(other)).lower(p, other.init(p), p).as_text()
+        assert cpu_kernel.BF16_TARGET not in text
+    half = {"w": jnp.ones((30, 101), jnp.bfloat16)}
+    text = jax.jit(_step(tx)).lower(half, tx.init(half), half).as_text()
+    assert cpu_kernel.BF16_TARGET not in text
+
+
+@needs_kernel
+def test_exported_programs_and_shard_map_use_xla():
+    """Like 8-bit storage: a step serialized with jax.export, or inside shard_map, carries no
+    call of the kernel and equals XLA's own program."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 64 * 512).reshape(64, 512)}
+    grads = {"w": jnp.cos(37.0 * params["w"])}
+    tx = od.adamw(1e-2, weight_decay=0.1, mask=None, state_dtype="bfloat16")
+    xla_tx = od.adamw(
+        1e-2,
+        weight_decay=0.1,
+        mask=None,
+        state_dtype=FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False),
+    )
+    step = jax.jit(_step(tx))
+    state = tx.init(params)
+    exported = jax.export.export(step, platforms=("cpu",))(params, state, grads)
+    assert cpu_kernel.BF16_TARGET not in exported.mlir_module()
+    xla_step = jax.jit(_step(xla_tx))
+    p, s, xp, xs = params, state, params, state
+    for _ in range(3):
+        p, s = exported.call(p, s, grads)
+        xp, xs = xla_step(xp, xs, grads)
+    chex.assert_trees_all_equal((p, s), (xp, xs))
+
+    P = jax.sharding.PartitionSpec
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("configs",))
+
+    def train(p):
+        s = tx.init(p)
+        for i in range(3):
+            u, s = tx.update(jnp.sin(p * (i + 1.0)), s, p)
+            p = optax.apply_updates(p, u)
+        return p
+
+    batch = jnp.stack([params["w"] * k for k in (1, 2)])
+    sharded = jax.jit(
+        jax.shard_map(jax.vmap(train), mesh=mesh, in_specs=P("configs"), out_specs=P("configs"))
+    )
+    assert cpu_kernel.BF16_TARGET not in sharded.lower(batch).as_text()
+    single = jax.jit(jax.vmap(train))
+    assert cpu_kernel.BF16_TARGET in single.lower(batch).as_text()
+    np.testing.assert_allclose(sharded(batch), single(batch), rtol=0, atol=1e-6)
+
+
+def test_cpu_kernel_argument_is_checked():
+    with pytest.raises(ValueError, match="cpu_kernel"):
+        FloatStorage(jnp.bfloat16, cpu_kernel="yes")
+
+
+def test_without_the_extension_xla_computes_bfloat16_moments(monkeypatch):
+    """A package built without a C++ compiler: bfloat16 moments take XLA's own program,
+    with the values of `cpu_kernel=False`, and the user is told once (if 8-bit state has not
+    told them already in this process)."""
+    monkeypatch.setattr(cpu_kernel, "_library_path", lambda: None)
+    monkeypatch.setattr(cpu_kernel, "_warned", False)
+    cpu_kernel._register.cache_clear()
+    try:
+        params = {"w": jnp.linspace(-1.0, 1.0, 64 * 300).reshape(64, 300)}
+        tx = od.adamw(1e-2, weight_decay=0.1, mask=None, state_dtype="bfloat16")
+        step = jax.jit(_step(tx))
+        state = tx.init(params)
+        if jax.default_backend() == "cpu":
+            with pytest.warns(RuntimeWarning, match="bfloat16 .* is unavailable .*not built"):
+                lowered = step.lower(params, state, params).as_text()
+        else:
+            lowered = step.lower(params, state, params).as_text()
+        assert cpu_kernel.BF16_TARGET not in lowered
+        xla_tx = od.adamw(
+            1e-2,
+            weight_decay=0.1,
+            mask=None,
+            state_dtype=FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False),
+        )
+        got = step(params, state, params)
+        want = jax.jit(_step(xla_tx))(params, state, params)
+        chex.assert_trees_all_equal(got, want)
+    finally:
+        monkeypatch.undo()
+        cpu_kernel._register.cache_clear()
+    assert cpu_kernel.available() or NO_KERNEL

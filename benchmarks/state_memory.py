@@ -175,11 +175,14 @@ def main(argv=None) -> list[dict]:
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(MALLOC_ENV)},
         "cpu_kernel": cpu_kernel.available(),
         "cpu_kernel_avx512": cpu_kernel.uses_avx512(),
+        "cpu_kernel_avx512_vbmi": cpu_kernel.uses_avx512_vbmi(),
     }
     print()
     print(f"jax {env['jax']} on {env['backend']} ({env['device']}, {env['cpu_count']} CPUs)")
     kernel = "built" if env["cpu_kernel"] else f"not available: {cpu_kernel.unavailable_reason()}"
-    if env["cpu_kernel_avx512"]:
+    if env["cpu_kernel_avx512_vbmi"]:
+        kernel += " (AVX-512 VBMI decode)"
+    elif env["cpu_kernel_avx512"]:
         kernel += " (AVX-512 decode)"
     print(f"compiled CPU kernels for int8 and bfloat16 moments: {kernel}")
     rotation = (

@@ -8,8 +8,10 @@ elements it decodes the stored codes, applies the moving averages, takes the new
 encodes the new values, reading and writing each block once, with the blocks spread over
 XLA's intra-op threads. XLA's own program for this runs as a loop on one core
 (``docs/memory.md``, Speed). On x86-64 CPUs with AVX-512 the kernel decodes the codes with
-register permutes (the 256-entry map held in 16 registers), chosen at run time
-(:func:`uses_avx512`); elsewhere, loops the compiler vectorized, with the same values.
+register permutes, chosen at run time: byte permutes where the CPU has AVX-512 VBMI (the map
+as four planes of bytes, :func:`uses_avx512_vbmi`), else 32-bit permutes (the 256-entry map
+held in 16 registers, :func:`uses_avx512`); elsewhere, loops the compiler vectorized, with
+the same values.
 
 The kernel computes what :func:`~optax_decoupled.quantization.dequantize`, the update and
 :func:`~optax_decoupled.quantization.quantize` compute, in float32, in the order ``jnp``
@@ -74,10 +76,12 @@ _HEADER = 8
 _load_error: str | None = None
 _lib: ctypes.CDLL | None = None
 
-#: Whether kernel calls traced from now on use only the portable loops, not the AVX-512
-#: decode that the kernel picks at run time on CPUs with AVX-512 (for tests: both give the
-#: same values).
-PORTABLE_ONLY = False
+#: Which decode 8-bit kernel calls traced from now on may use (for tests: all give the same
+#: values): ``"best"``, what the kernel picks at run time (AVX-512 VBMI byte permutes, else
+#: AVX-512F register permutes, else the portable loops); ``"avx512f"``, no VBMI; or
+#: ``"portable"``, the compiler-vectorized loops only.
+DECODE = "best"
+_DECODE_LIMITS = {"best": 0, "avx512f": 1, "portable": 2}
 
 
 def _library_path() -> pathlib.Path | None:
@@ -126,6 +130,15 @@ def uses_avx512() -> bool:
     if not _register():
         return False
     return bool(_lib.OdUsesAvx512())
+
+
+def uses_avx512_vbmi() -> bool:
+    """Whether the kernel decodes the stored codes with AVX-512 VBMI byte permutes on this
+    CPU (AVX-512F, BW and VBMI: Intel Ice Lake and later, AMD Zen 4 and later), which is
+    faster than the register permutes of :func:`uses_avx512` (the same values)."""
+    if not _register():
+        return False
+    return bool(_lib.OdUsesAvx512Vbmi())
 
 
 def unavailable_reason() -> str | None:
@@ -276,7 +289,10 @@ def requantize_ema(
         TARGET, out_types, vmap_method="sequential", input_output_aliases=aliases
     )
     outs = call(
-        *args, **_layout(update), portable=np.int64(PORTABLE_ONLY), emit_old=np.int64(emit_old)
+        *args,
+        **_layout(update),
+        decode_limit=np.int64(_DECODE_LIMITS[DECODE]),
+        emit_old=np.int64(emit_old),
     )
     groups = [
         tuple(

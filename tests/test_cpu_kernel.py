@@ -37,11 +37,13 @@ def _on_the_cpu():
         yield
 
 
-@pytest.fixture(params=["dispatched", "portable"])
+@pytest.fixture(params=["best", "avx512f", "portable"])
 def kernel_path(request, monkeypatch):
-    """Both code paths of the kernel: what it picks on this CPU (the AVX-512 decode where the
-    CPU has AVX-512F, see `test_avx512_is_used_where_the_cpu_has_it`) and the portable loops."""
-    monkeypatch.setattr(cpu_kernel, "PORTABLE_ONLY", request.param == "portable")
+    """The kernel's decodes: what it picks on this CPU (the AVX-512 VBMI byte permutes where the
+    CPU has them, else the AVX-512F register permutes, see
+    `test_avx512_is_used_where_the_cpu_has_it`), at most the AVX-512F permutes, and the
+    portable loops. Where the CPU lacks an instruction set, its case runs the next one down."""
+    monkeypatch.setattr(cpu_kernel, "DECODE", request.param)
     return request.param
 
 
@@ -64,6 +66,8 @@ def test_avx512_is_used_where_the_cpu_has_it():
     if not flags:
         pytest.skip("no CPU flags in /proc/cpuinfo: nothing to compare the choice with")
     assert cpu_kernel.uses_avx512() == ("avx512f" in flags)
+    vbmi = {"avx512f", "avx512bw", "avx512vbmi"} <= flags
+    assert cpu_kernel.uses_avx512_vbmi() == vbmi
 
 
 def test_kernel_is_built():

@@ -236,7 +236,7 @@ def test_update_equals_numpy(name, shape, block, kernel_path):
 @pytest.mark.parametrize("name", sorted(UPDATES))
 @pytest.mark.parametrize("shape, block", [((300, 1001), 256), ((37, 53), 100)])
 @pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
-def test_emit_old_copies_the_stored_moments(name, shape, block, donate):
+def test_emit_old_copies_the_stored_moments(name, shape, block, donate, kernel_path):
     """With `emit_old` the kernel also returns a copy of the moments it read (what the
     transforms compute their output from) and writes the new ones in place: the copy equals
     the stored moments bit for bit, and the new ones equal the NumPy reference, whether the

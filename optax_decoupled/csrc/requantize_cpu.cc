@@ -133,6 +133,17 @@ OD_CLONES void MaxBlock(const float* __restrict seen, const uint8_t* __restrict 
   for (int i = valid; i < block; ++i) out[i] = 0.0f;
 }
 
+// max |x| over the block as float32 bits (the integer order of |x|'s bits is its float
+// order; a NaN's bits exceed infinity's, so a NaN propagates as in jnp.max).
+OD_CLONES uint32_t AbsMaxBits(const float* __restrict x, int block) {
+  uint32_t m = 0;
+  for (int i = 0; i < block; ++i) {
+    const uint32_t u = BitsOf(x[i]) & 0x7fffffffu;
+    m = u > m ? u : m;
+  }
+  return m;
+}
+
 #if defined(OD_X86_AVX512)
 // The same two functions with the map lookup done by register permutes: the 256 map values
 // sit in 16 AVX-512 registers, and qmap[code] for 16 codes is 8 two-register permutes (each
@@ -255,11 +266,10 @@ OD_AVX512_VBMI inline PlaneRegisters LoadPlanes(const MapPlanes& planes) {
   return r;
 }
 
-// qmap[codes[i]] for the 64 codes at `codes`, as four vectors of 16 in element order.
-OD_AVX512_VBMI inline void Decode64(const PlaneRegisters& r, const uint8_t* codes,
-                                    __m512 (&out)[4]) {
+// qmap[c] for the 64 codes c in `codes`, as four vectors of 16 in element order.
+OD_AVX512_VBMI inline void Decode64(const PlaneRegisters& r, __m512i codes, __m512 (&out)[4]) {
   const __m512i order = _mm512_load_si512(kDecodeOrder.b);
-  const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes));
+  const __m512i c = _mm512_permutexvar_epi8(order, codes);
   const __mmask64 high = _mm512_movepi8_mask(c);
   __m512i p[4];
   for (int j = 0; j < 4; ++j) {
@@ -277,49 +287,76 @@ OD_AVX512_VBMI inline void Decode64(const PlaneRegisters& r, const uint8_t* code
   out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01h, w23h));
 }
 
-OD_AVX512_VBMI void EmaBlockVbmi(const float* g, const uint8_t* codes, const float* qmap,
-                                 const MapPlanes& planes, float absmax, float c_in,
-                                 float c_keep, int power, int valid, int block, float* out) {
+// These two also do what the other paths do in separate passes over the block: they copy
+// the old codes to `old_codes` (when not null) from the registers they decode, and return
+// the block's max |out| as AbsMaxBits would (the unsigned integer max of |x|'s bits).
+OD_AVX512_VBMI inline __m512i AbsBits(__m512 x) {
+  return _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+}
+
+OD_AVX512_VBMI uint32_t EmaBlockVbmi(const float* g, const uint8_t* codes, const float* qmap,
+                                     const MapPlanes& planes, float absmax, float c_in,
+                                     float c_keep, int power, int valid, int block, float* out,
+                                     uint8_t* old_codes) {
   const PlaneRegisters r = LoadPlanes(planes);
   const __m512 a = _mm512_set1_ps(absmax), cin = _mm512_set1_ps(c_in);
   const __m512 ckeep = _mm512_set1_ps(c_keep);
+  __m512i top = _mm512_setzero_si512();
   const int full = valid - valid % 64;
   for (int i = 0; i < full; i += 64) {
+    const __m512i c = _mm512_loadu_si512(codes + i);
+    if (old_codes != nullptr) _mm512_storeu_si512(old_codes + i, c);
     __m512 m[4];
-    Decode64(r, codes + i, m);
+    Decode64(r, c, m);
     for (int q = 0; q < 4; ++q) {
       const __m512 old = _mm512_mul_ps(m[q], a);
       const __m512 gi = _mm512_loadu_ps(g + i + 16 * q);
       const __m512 src = power == 2 ? _mm512_mul_ps(gi, gi) : gi;
       const __m512 t1 = _mm512_mul_ps(cin, src);
       const __m512 t2 = _mm512_mul_ps(ckeep, old);
-      _mm512_storeu_ps(out + i + 16 * q, _mm512_add_ps(t1, t2));
+      const __m512 v = _mm512_add_ps(t1, t2);
+      _mm512_storeu_ps(out + i + 16 * q, v);
+      top = _mm512_max_epu32(top, AbsBits(v));
     }
   }
   EmaBlockAvx512(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
                  block - full, out + full);
+  if (old_codes != nullptr) {
+    std::memcpy(old_codes + full, codes + full, static_cast<size_t>(block - full));
+  }
+  return std::max(_mm512_reduce_max_epu32(top), AbsMaxBits(out + full, block - full));
 }
 
-OD_AVX512_VBMI void MaxBlockVbmi(const float* seen, const uint8_t* codes, const float* qmap,
-                                 const MapPlanes& planes, float absmax, int divide,
-                                 float divisor, int valid, int block, float* out) {
+OD_AVX512_VBMI uint32_t MaxBlockVbmi(const float* seen, const uint8_t* codes, const float* qmap,
+                                     const MapPlanes& planes, float absmax, int divide,
+                                     float divisor, int valid, int block, float* out,
+                                     uint8_t* old_codes) {
   const PlaneRegisters r = LoadPlanes(planes);
   const __m512 a = _mm512_set1_ps(absmax), d = _mm512_set1_ps(divisor);
+  __m512i top = _mm512_setzero_si512();
   const int full = valid - valid % 64;
   for (int i = 0; i < full; i += 64) {
+    const __m512i c = _mm512_loadu_si512(codes + i);
+    if (old_codes != nullptr) _mm512_storeu_si512(old_codes + i, c);
     __m512 m[4];
-    Decode64(r, codes + i, m);
+    Decode64(r, c, m);
     for (int q = 0; q < 4; ++q) {
       const __m512 old = _mm512_mul_ps(m[q], a);
       const __m512 si = _mm512_loadu_ps(seen + i + 16 * q);
       const __m512 s = divide ? _mm512_div_ps(si, d) : si;
       const __mmask16 keep = _mm512_cmp_ps_mask(old, s, _CMP_GT_OQ) |
                              _mm512_cmp_ps_mask(old, old, _CMP_UNORD_Q);
-      _mm512_storeu_ps(out + i + 16 * q, _mm512_mask_blend_ps(keep, s, old));
+      const __m512 v = _mm512_mask_blend_ps(keep, s, old);
+      _mm512_storeu_ps(out + i + 16 * q, v);
+      top = _mm512_max_epu32(top, AbsBits(v));
     }
   }
   MaxBlockAvx512(seen + full, codes + full, qmap, absmax, divide, divisor, valid - full,
                  block - full, out + full);
+  if (old_codes != nullptr) {
+    std::memcpy(old_codes + full, codes + full, static_cast<size_t>(block - full));
+  }
+  return std::max(_mm512_reduce_max_epu32(top), AbsMaxBits(out + full, block - full));
 }
 
 bool CpuHasAvx512Vbmi() {
@@ -334,17 +371,6 @@ bool CpuHasAvx512Vbmi() {
 bool CpuHasAvx512() { return false; }
 bool CpuHasAvx512Vbmi() { return false; }
 #endif
-
-// max |x| over the block as float32 bits (the integer order of |x|'s bits is its float
-// order; a NaN's bits exceed infinity's, so a NaN propagates as in jnp.max).
-OD_CLONES uint32_t AbsMaxBits(const float* __restrict x, int block) {
-  uint32_t m = 0;
-  for (int i = 0; i < block; ++i) {
-    const uint32_t u = BitsOf(x[i]) & 0x7fffffffu;
-    m = u > m ? u : m;
-  }
-  return m;
-}
 
 // Codes of one block: y = clip((x * factor) / scale, lo, 1) per element (NaN stays NaN,
 // as in jnp.clip), then the packed table lookup (see the top of the file). Written with
@@ -376,8 +402,8 @@ constexpr float kF32Max = 3.4028234663852886e38f;
 // Quantizes one block of float32 values x: absmax as jnp.max(jnp.abs(x)) saturated at
 // float32.max, the power-of-two rescaling of quantization._scales, nearest codes.
 void QuantizeBlock(const float* x, const Encoder& e, int block, uint8_t* codes,
-                   float* absmax_out) {
-  float a = FloatOf(AbsMaxBits(x, block));
+                   float* absmax_out, uint32_t absmax_bits) {
+  float a = FloatOf(absmax_bits);
   a = (a != a) ? a : std::min(a, kF32Max);
   const float factor = a > 0x1p100f ? 0x1p-64f : (a < 0x1p-100f ? 0x1p64f : 1.0f);
   const float scale = a > 0.0f ? a * factor : 1.0f;
@@ -552,27 +578,35 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
     std::vector<float> values(static_cast<size_t>(n_moments * block));
     const int64_t first = task * blocks_per_task;
     const int64_t last = std::min(n_blocks, first + blocks_per_task);
+    uint32_t top[3];  // each moment's max |value| bits, when its decode computed it
     for (int64_t blk = first; blk < last; ++blk) {
       const int64_t off = blk * block;
       const int valid = static_cast<int>(std::min<int64_t>(block, size - off));
+      // A copy of the old codes and scales, for the transform's output (emit_old), is written
+      // before the new ones, which may replace them in place: by the VBMI decode as it reads
+      // the codes, else here.
+      auto old_codes = [&](int64_t k) { return emit_old ? old_codes_out[k] + off : nullptr; };
       for (int64_t k = 0; k < n_ema; ++k) {
+        float* out = values.data() + k * block;
 #if defined(OD_X86_AVX512)
         if (vbmi) {
-          EmaBlockVbmi(gd + off, codes_in[k] + off, enc[k].qmap, planes[k], absmax_in[k][blk],
-                       c[2 * k], c[2 * k + 1], powers[k], valid, b, values.data() + k * block);
+          top[k] = EmaBlockVbmi(gd + off, codes_in[k] + off, enc[k].qmap, planes[k],
+                                absmax_in[k][blk], c[2 * k], c[2 * k + 1], powers[k], valid, b,
+                                out, old_codes(k));
           continue;
         }
 #endif
         ema(gd + off, codes_in[k] + off, enc[k].qmap, absmax_in[k][blk], c[2 * k],
-            c[2 * k + 1], powers[k], valid, b, values.data() + k * block);
+            c[2 * k + 1], powers[k], valid, b, out);
       }
       if (has_max) {
         const int divide = static_cast<int>(max_divide);
         float* out = values.data() + 2 * block;
 #if defined(OD_X86_AVX512)
         if (vbmi) {
-          MaxBlockVbmi(values.data() + block, codes_in[2] + off, enc[2].qmap, planes[2],
-                       absmax_in[2][blk], divide, c[4], valid, b, out);
+          top[2] = MaxBlockVbmi(values.data() + block, codes_in[2] + off, enc[2].qmap,
+                                planes[2], absmax_in[2][blk], divide, c[4], valid, b, out,
+                                old_codes(2));
         } else
 #endif
         {
@@ -580,17 +614,20 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
                       divide, c[4], valid, b, out);
         }
       }
-      // A copy of the old codes and scales, for the transform's output (emit_old): written
-      // before the new ones, which may replace them in place.
-      for (int64_t k = 0; k < n_moments && emit_old; ++k) {
-        std::memcpy(old_codes_out[k] + off, codes_in[k] + off, static_cast<size_t>(block));
-        old_absmax_out[k][blk] = absmax_in[k][blk];
+      for (int64_t k = 0; k < n_moments; ++k) {
+        if (!vbmi) {
+          top[k] = AbsMaxBits(values.data() + k * block, b);
+          if (emit_old) {
+            std::memcpy(old_codes(k), codes_in[k] + off, static_cast<size_t>(block));
+          }
+        }
+        if (emit_old) old_absmax_out[k][blk] = absmax_in[k][blk];
       }
       // All inputs of this block are read before any output is written, so the outputs
       // may alias the inputs (the new state written in place of the old).
       for (int64_t k = 0; k < n_moments; ++k) {
         QuantizeBlock(values.data() + k * block, enc[k], b, codes_out[k] + off,
-                      absmax_out[k] + blk);
+                      absmax_out[k] + blk, top[k]);
       }
     }
   };

@@ -7,7 +7,6 @@ XLA's own program (`quantize_blocks`) for the encoder alone, on every float32 ne
 decision point of both maps.
 """
 
-import os
 import warnings
 
 import chex
@@ -23,10 +22,10 @@ from optax_decoupled import quantization as Q
 from optax_decoupled.moment_updates import EmaMoments
 from optax_decoupled.storage import BlockwiseInt8Storage
 
-NO_KERNEL = os.environ.get("OPTAX_DECOUPLED_NO_KERNEL") == "1"
-needs_kernel = pytest.mark.skipif(
-    NO_KERNEL, reason="OPTAX_DECOUPLED_NO_KERNEL=1: package built without the CPU kernel"
-)
+try:
+    from tests.kernel_checks import NO_KERNEL, entry_copies, needs_kernel
+except ImportError:  # tests/ itself is on sys.path (pytest's rootdir-less "prepend" import)
+    from kernel_checks import NO_KERNEL, entry_copies, needs_kernel
 
 
 @pytest.fixture(autouse=True)
@@ -308,17 +307,6 @@ def test_traced_coefficients_and_vmap():
         _assert_equal_to_numpy(jax.tree.map(lambda x, i=i: x[i], got), want)
 
 
-def _entry_copies(hlo_text: str, type_prefix: str) -> list[str]:
-    """The `copy` instructions of the entry computation of a compiled HLO module whose
-    result type starts with `type_prefix` (copies inside fusions are not buffers)."""
-    entry = hlo_text[hlo_text.index("\nENTRY ") :]
-    return [
-        line.strip()
-        for line in entry.splitlines()
-        if " copy(" in line and line.split("=", 1)[-1].strip().startswith(type_prefix)
-    ]
-
-
 @needs_kernel
 def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
     params = {"w": jnp.ones((300, 1001))}
@@ -335,7 +323,7 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
     # the old ones for the transform's output (computed from them, fused into the parameter
     # update): XLA copies no codes itself, and its temporaries are that copy and nothing
     # else, no float32 array of the parameter's size.
-    codes_copies = _entry_copies(compiled.as_text(), "u8[")
+    codes_copies = entry_copies(compiled.as_text(), "u8[")
     assert not codes_copies, codes_copies
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     temp = compiled.memory_analysis().temp_size_in_bytes

@@ -7,8 +7,6 @@ the kernel must match bit for bit; and XLA's own program (`FloatStorage(cpu_kern
 for whole optimizer steps.
 """
 
-import os
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -22,10 +20,11 @@ from optax_decoupled import cpu_kernel
 from optax_decoupled.moment_updates import EmaMoments
 from optax_decoupled.storage import FloatStorage
 
-NO_KERNEL = os.environ.get("OPTAX_DECOUPLED_NO_KERNEL") == "1"
-needs_kernel = pytest.mark.skipif(
-    NO_KERNEL, reason="OPTAX_DECOUPLED_NO_KERNEL=1: package built without the CPU kernel"
-)
+try:
+    from tests.kernel_checks import NO_KERNEL, entry_copies, needs_kernel
+except ImportError:  # tests/ itself is on sys.path (pytest's rootdir-less "prepend" import)
+    from kernel_checks import NO_KERNEL, entry_copies, needs_kernel
+
 
 BF16 = ml_dtypes.bfloat16
 TINY = np.finfo(np.float32).tiny
@@ -172,15 +171,6 @@ def test_traced_coefficients_and_vmap():
         _assert_bits_equal([x[i] for x in got], want)
 
 
-def _entry_copies(hlo_text: str, type_prefix: str) -> list[str]:
-    entry = hlo_text[hlo_text.index("\nENTRY ") :]
-    return [
-        line.strip()
-        for line in entry.splitlines()
-        if " copy(" in line and line.split("=", 1)[-1].strip().startswith(type_prefix)
-    ]
-
-
 def _step(tx):
     def step(p, s, g):
         u, s = tx.update(g, s, p)
@@ -245,7 +235,7 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
     # The new moments go in place of the donated ones and the kernel writes the copy of the
     # old ones the output is computed from: XLA copies no moments itself, and that copy is
     # its only temporary (no float32 array of the parameter's size).
-    copies = _entry_copies(compiled.as_text(), "bf16[")
+    copies = entry_copies(compiled.as_text(), "bf16[")
     assert not copies, copies
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     temp = compiled.memory_analysis().temp_size_in_bytes
@@ -259,6 +249,7 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
     )
     xla = jax.jit(_step(xla_tx), donate_argnums=(0, 1)).lower(params, state, params).compile()
     assert cpu_kernel.BF16_TARGET not in xla.as_text()
+    assert len(entry_copies(xla.as_text(), "bf16[")) == 2
     for platform in ("cuda", "tpu"):
         lowered = jax.jit(step).trace(params, state, params).lower(lowering_platforms=(platform,))
         assert cpu_kernel.BF16_TARGET not in lowered.as_text()

@@ -4,9 +4,11 @@
 // apply the exponential moving averages of the gradient (and a running max), take the new
 // block absmax and encode the new values to the nearest map entry (Dettmers et al., "8-bit
 // Optimizers via Block-wise Quantization", ICLR 2022). Each block is read once and written
-// once; blocks are spread over XLA's intra-op thread pool. The decode has a hand-written
-// AVX-512 version, picked at run time on CPUs that have it; everything else is portable C++
-// that the compiler vectorizes (target clones for AVX-512, AVX2 and baseline x86-64).
+// once; blocks are spread over XLA's intra-op thread pool. The decode has hand-written
+// AVX-512 versions (VBMI byte permutes, AVX-512F register permutes), picked at run time on
+// CPUs that have them; everything else is portable C++ that the compiler vectorizes (target
+// clones for AVX-512, AVX2 and baseline x86-64). A second handler, OdEmaBf16 (at the end),
+// does the same moving averages on moments stored in bfloat16.
 //
 // The Python side (optax_decoupled/cpu_kernel.py) is the only caller. It passes the maps and
 // the encoder tables of optax_decoupled/quantization.py; this file adds no numerics of its
@@ -250,7 +252,9 @@ struct DecodeOrder {
   DecodeOrder() {
     for (int L = 0; L < 4; ++L)
       for (int k = 0; k < 4; ++k)
-        for (int j = 0; j < 4; ++j) b[16 * L + 4 * k + j] = static_cast<uint8_t>(16 * k + 4 * L + j);
+        for (int j = 0; j < 4; ++j) {
+          b[16 * L + 4 * k + j] = static_cast<uint8_t>(16 * k + 4 * L + j);
+        }
   }
 };
 const DecodeOrder kDecodeOrder;
@@ -644,9 +648,10 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
 // The same moving averages (and running max) on moments stored in bfloat16, computed in
 // float32 as jnp computes them: widen each stored value (exact), update (each multiply and
 // add rounded, denormals flushed to zero as XLA:CPU does), and round the new value to
-// bfloat16, nearest-even, as XLA converts (a NaN stays a quiet NaN). XLA:CPU itself writes the new moments and the transform's output in two loops and
-// copies the old moments first (docs/memory.md); this reads each element once, writes the
-// new moments in place and, with emit_old, a copy of the old ones for the output.
+// bfloat16, nearest-even, as XLA converts (a NaN stays a quiet NaN). XLA:CPU itself writes
+// the new moments and the transform's output in two loops and copies the old moments first
+// (docs/memory.md); this reads each element once, writes the new moments in place and, with
+// emit_old, a copy of the old ones for the output.
 
 // XLA:CPU runs its programs with denormal inputs and results flushed to zero; so does this
 // kernel, on whichever thread a task runs (x86: the MXCSR's DAZ and FTZ bits).

@@ -201,27 +201,40 @@ def _f32_coefficient(x: Any) -> jax.Array | None:
     return x
 
 
-def applies(update: Any, stored: tuple[Any, ...], operands: tuple[Any, ...], dtype: Any) -> bool:
-    """Whether :func:`requantize_ema` can compute ``update`` on these arguments: an
-    :class:`~optax_decoupled.moment_updates.EmaMoments` with float32 coefficients, float32
-    arithmetic and gradient, and 2-D codes (inside ``vmap`` the batch is unstacked)."""
+def _kernel_may_take(
+    update: Any, stored: tuple[Any, ...], operands: tuple[Any, ...], arrays: tuple[Any, ...]
+) -> bool:
+    """What both kernels need: an :class:`~optax_decoupled.moment_updates.EmaMoments` on its
+    stored moments and one float32 operand (the gradient), with float32 coefficients, the
+    library built (else the warning of :func:`_warn_unavailable`), and not inside
+    ``shard_map`` (``arrays``: the traced arrays, see :func:`in_manual_context`)."""
     if not isinstance(update, moment_updates.EmaMoments):
         return False
     if not available():
         _warn_unavailable()
         return False
-    if in_manual_context(*operands, *(q.codes for q in stored)):
-        return False  # inside shard_map: XLA's loop (see in_manual_context)
+    if in_manual_context(*arrays):
+        return False  # inside shard_map: XLA's program (see in_manual_context)
     if len(stored) != update.num_stored or len(operands) != 1:
         return False
-    if jnp.dtype(dtype) != jnp.float32 or jnp.result_type(operands[0]) != jnp.float32:
-        return False
-    if any(q.codes.ndim != 2 or q.codes.dtype != jnp.uint8 for q in stored):
+    if jnp.result_type(operands[0]) != jnp.float32:
         return False
     coefficients = [*update.decays]
     if update.max_divisor is not None:
         coefficients.append(update.max_divisor)
     return all(_f32_coefficient(c) is not None for c in coefficients)
+
+
+def applies(update: Any, stored: tuple[Any, ...], operands: tuple[Any, ...], dtype: Any) -> bool:
+    """Whether :func:`requantize_ema` can compute ``update`` on these arguments: an
+    :class:`~optax_decoupled.moment_updates.EmaMoments` with float32 coefficients, float32
+    arithmetic and gradient, and 2-D codes (inside ``vmap`` the batch is unstacked)."""
+    arrays = (*operands, *(q.codes for q in stored))
+    if not _kernel_may_take(update, stored, operands, arrays):
+        return False
+    if jnp.dtype(dtype) != jnp.float32:
+        return False
+    return all(q.codes.ndim == 2 and q.codes.dtype == jnp.uint8 for q in stored)
 
 
 _warned = False
@@ -336,24 +349,10 @@ def applies_bf16(update: Any, stored: tuple[Any, ...], operands: tuple[Any, ...]
     """Whether :func:`ema_bf16` can compute ``update`` on these arguments: an
     :class:`~optax_decoupled.moment_updates.EmaMoments` with float32 coefficients on
     bfloat16 moments and a float32 gradient of the same shape, outside ``shard_map``."""
-    if not isinstance(update, moment_updates.EmaMoments):
+    if not _kernel_may_take(update, stored, operands, (*operands, *stored)):
         return False
-    if not available():
-        _warn_unavailable()
-        return False
-    if len(stored) != update.num_stored or len(operands) != 1:
-        return False
-    g = operands[0]
-    if jnp.result_type(g) != jnp.float32:
-        return False
-    if any(jnp.result_type(m) != jnp.bfloat16 or jnp.shape(m) != jnp.shape(g) for m in stored):
-        return False
-    if in_manual_context(g, *stored):
-        return False
-    coefficients = [*update.decays]
-    if update.max_divisor is not None:
-        coefficients.append(update.max_divisor)
-    return all(_f32_coefficient(c) is not None for c in coefficients)
+    shape = jnp.shape(operands[0])
+    return all(jnp.result_type(m) == jnp.bfloat16 and jnp.shape(m) == shape for m in stored)
 
 
 def ema_bf16(
@@ -384,6 +383,39 @@ def ema_bf16(
     outs = call(g, _coefficients(update), *stored, **_layout(update), emit_old=np.int64(emit_old))
     n = len(stored)
     return (tuple(outs[:n]), tuple(outs[n:])) if emit_old else tuple(outs)
+
+
+def dispatch(
+    update: moment_updates.EmaMoments,
+    stored: tuple[Any, ...],
+    operands: tuple[jax.Array, ...],
+    *,
+    kernel: Any,
+    cpu_other: Any,
+    other: Any,
+    out_like: Any,
+) -> Any:
+    """How the storages run a moment update that a kernel :func:`applies` to:
+    ``kernel(update, stored, g)`` in programs compiled for one CPU device,
+    ``cpu_other(update, stored, operands)`` in other CPU programs (sharded, or for
+    ``jax.export``; see :func:`single_device_or`) and ``other(update, stored, operands)`` on
+    other platforms (:func:`jax.lax.platform_dependent`). All return pytrees shaped like
+    ``out_like``. ``update``'s traced coefficients (e.g. from ``optax.inject_hyperparams``)
+    are passed as arguments: the branches are lowered apart from the surrounding trace."""
+    n_stored, n_in = len(stored), len(stored) + len(operands)
+    dynamic, rebuild = update.split_dynamic()
+
+    def branch(fn):
+        return lambda *args: fn(rebuild(args[n_in:]), args[:n_stored], args[n_stored:n_in])
+
+    single = branch(lambda u, s, ops: kernel(u, s, ops[0]))
+
+    def on_cpu(*args):
+        return single_device_or(single, branch(cpu_other), *args, out_like=out_like)
+
+    return jax.lax.platform_dependent(
+        *stored, *operands, *dynamic, cpu=on_cpu, default=branch(other)
+    )
 
 
 # --- Choosing the kernel per compiled program -------------------------------------------------

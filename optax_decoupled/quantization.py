@@ -484,32 +484,24 @@ def requantize(
     if kernel and _kernel_applies(fn, stored, operands, dtype):
         from optax_decoupled import cpu_kernel
 
-        # Traced coefficients (e.g. from optax.inject_hyperparams) are passed as arguments:
-        # the functions below are lowered apart from the surrounding trace.
-        dynamic, rebuild = fn.split_dynamic()
-
-        def compiled(*args):
-            update = rebuild(args[n_in:])
-            qs, g = args[: len(stored)], args[len(stored)]
-            return cpu_kernel.requantize_ema(update, qs, g, emit_old=return_old)
-
         def with_old(compute):
             # The other paths read `stored` itself for the output.
             if not return_old:
-                return compute
-            return lambda *args: (compute(*args), tuple(args[: len(stored)]))
+                return lambda u, qs, ops: compute(u, *qs, *ops)
+            return lambda u, qs, ops: (compute(u, *qs, *ops), tuple(qs))
 
-        loop = with_old(lambda *args: chunked_with(rebuild(args[n_in:]), *args))
-        default = with_old(lambda *args: whole_with(rebuild(args[n_in:]), *args))
         like = tuple(stored)
-        like = (like, like) if return_old else like
-
-        def on_cpu(*args):
-            # The kernel cannot be partitioned: programs for several devices keep the loop.
-            # The results are shaped like the stored moments (no need to trace the loop).
-            return cpu_kernel.single_device_or(compiled, loop, *args, out_like=like)
-
-        return jax.lax.platform_dependent(*stored, *operands, *dynamic, cpu=on_cpu, default=default)
+        # The kernel cannot be partitioned: programs for several devices keep the loop. The
+        # results are shaped like the stored moments (no need to trace the loop).
+        return cpu_kernel.dispatch(
+            fn,
+            tuple(stored),
+            tuple(operands),
+            kernel=lambda u, qs, g: cpu_kernel.requantize_ema(u, qs, g, emit_old=return_old),
+            cpu_other=with_old(chunked_with),
+            other=with_old(whole_with),
+            out_like=(like, like) if return_old else like,
+        )
 
     if full <= chunk:
         return result(whole_with(fn, *stored, *operands))

@@ -201,24 +201,19 @@ class FloatStorage:
             return plain(fn, stored, operands, return_old=return_old)
         from optax_decoupled import cpu_kernel
 
-        n_in = len(stored) + len(operands)
-        dynamic, rebuild = fn.split_dynamic()
+        def xla(u, ms, ops):
+            return plain(u, ms, ops, return_old=return_old)
 
-        def compiled(*args):
-            ms, g = args[: len(stored)], args[len(stored)]
-            return cpu_kernel.ema_bf16(rebuild(args[n_in:]), ms, g, emit_old=return_old)
-
-        def default(*args):
-            ms, ops = args[: len(stored)], args[len(stored) : n_in]
-            return plain(rebuild(args[n_in:]), ms, ops, return_old=return_old)
-
-        out_like = tuple(stored)
-        out_like = (out_like, out_like) if return_old else out_like
-
-        def on_cpu(*args):
-            return cpu_kernel.single_device_or(compiled, default, *args, out_like=out_like)
-
-        return jax.lax.platform_dependent(*stored, *operands, *dynamic, cpu=on_cpu, default=default)
+        like = tuple(stored)
+        return cpu_kernel.dispatch(
+            fn,
+            tuple(stored),
+            tuple(operands),
+            kernel=lambda u, ms, g: cpu_kernel.ema_bf16(u, ms, g, emit_old=return_old),
+            cpu_other=xla,
+            other=xla,
+            out_like=(like, like) if return_old else like,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -298,69 +298,88 @@ OD_AVX512_VBMI inline __m512i AbsBits(__m512 x) {
   return _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
 }
 
-OD_AVX512_VBMI uint32_t EmaBlockVbmi(const float* g, const uint8_t* codes, const float* qmap,
-                                     const MapPlanes& planes, float absmax, float c_in,
-                                     float c_keep, int power, int valid, int block, float* out,
-                                     uint8_t* old_codes) {
+// The VBMI pass both share: over the 64-code groups of [0, full) decode the codes (copying
+// them to `old_codes` when it is not null), store value(old, i) for the 16 elements at i
+// (old: the decoded moment times absmax) to `out`, and return their max |value| bits.
+template <typename Value>
+OD_AVX512_VBMI inline uint32_t VbmiPass(const uint8_t* codes, const MapPlanes& planes,
+                                        float absmax, int full, float* out, uint8_t* old_codes,
+                                        const Value& value) {
   const PlaneRegisters r = LoadPlanes(planes);
-  const __m512 a = _mm512_set1_ps(absmax), cin = _mm512_set1_ps(c_in);
-  const __m512 ckeep = _mm512_set1_ps(c_keep);
+  const __m512 a = _mm512_set1_ps(absmax);
   __m512i top = _mm512_setzero_si512();
-  const int full = valid - valid % 64;
   for (int i = 0; i < full; i += 64) {
     const __m512i c = _mm512_loadu_si512(codes + i);
     if (old_codes != nullptr) _mm512_storeu_si512(old_codes + i, c);
     __m512 m[4];
     Decode64(r, c, m);
     for (int q = 0; q < 4; ++q) {
-      const __m512 old = _mm512_mul_ps(m[q], a);
-      const __m512 gi = _mm512_loadu_ps(g + i + 16 * q);
-      const __m512 src = power == 2 ? _mm512_mul_ps(gi, gi) : gi;
-      const __m512 t1 = _mm512_mul_ps(cin, src);
-      const __m512 t2 = _mm512_mul_ps(ckeep, old);
-      const __m512 v = _mm512_add_ps(t1, t2);
+      const __m512 v = value(_mm512_mul_ps(m[q], a), i + 16 * q);
       _mm512_storeu_ps(out + i + 16 * q, v);
       top = _mm512_max_epu32(top, AbsBits(v));
     }
   }
-  EmaBlockAvx512(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
-                 block - full, out + full);
+  return _mm512_reduce_max_epu32(top);
+}
+
+// The rest of the block after a VBMI pass (`valid` not a multiple of 64, and the padding)
+// goes through the 16-wide functions, and its codes through memcpy.
+inline uint32_t VbmiTail(const uint8_t* codes, int full, int block, const float* out,
+                         uint8_t* old_codes, uint32_t top) {
   if (old_codes != nullptr) {
     std::memcpy(old_codes + full, codes + full, static_cast<size_t>(block - full));
   }
-  return std::max(_mm512_reduce_max_epu32(top), AbsMaxBits(out + full, block - full));
+  return std::max(top, AbsMaxBits(out + full, block - full));
+}
+
+struct EmaValue {  // c_in * g^power + c_keep * old, as EmaBlock
+  const float* g;
+  __m512 cin, ckeep;
+  int power;
+  OD_AVX512_VBMI __m512 operator()(__m512 old, int i) const {
+    const __m512 gi = _mm512_loadu_ps(g + i);
+    const __m512 src = power == 2 ? _mm512_mul_ps(gi, gi) : gi;
+    const __m512 t1 = _mm512_mul_ps(cin, src);
+    const __m512 t2 = _mm512_mul_ps(ckeep, old);
+    return _mm512_add_ps(t1, t2);
+  }
+};
+
+struct MaxValue {  // max(old, seen [/ divisor]), NaN-propagating, as MaxBlock
+  const float* seen;
+  __m512 d;
+  int divide;
+  OD_AVX512_VBMI __m512 operator()(__m512 old, int i) const {
+    const __m512 si = _mm512_loadu_ps(seen + i);
+    const __m512 s = divide ? _mm512_div_ps(si, d) : si;
+    const __mmask16 keep = _mm512_cmp_ps_mask(old, s, _CMP_GT_OQ) |
+                           _mm512_cmp_ps_mask(old, old, _CMP_UNORD_Q);
+    return _mm512_mask_blend_ps(keep, s, old);
+  }
+};
+
+OD_AVX512_VBMI uint32_t EmaBlockVbmi(const float* g, const uint8_t* codes, const float* qmap,
+                                     const MapPlanes& planes, float absmax, float c_in,
+                                     float c_keep, int power, int valid, int block, float* out,
+                                     uint8_t* old_codes) {
+  const int full = valid - valid % 64;
+  const EmaValue value{g, _mm512_set1_ps(c_in), _mm512_set1_ps(c_keep), power};
+  const uint32_t top = VbmiPass(codes, planes, absmax, full, out, old_codes, value);
+  EmaBlockAvx512(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
+                 block - full, out + full);
+  return VbmiTail(codes, full, block, out, old_codes, top);
 }
 
 OD_AVX512_VBMI uint32_t MaxBlockVbmi(const float* seen, const uint8_t* codes, const float* qmap,
                                      const MapPlanes& planes, float absmax, int divide,
                                      float divisor, int valid, int block, float* out,
                                      uint8_t* old_codes) {
-  const PlaneRegisters r = LoadPlanes(planes);
-  const __m512 a = _mm512_set1_ps(absmax), d = _mm512_set1_ps(divisor);
-  __m512i top = _mm512_setzero_si512();
   const int full = valid - valid % 64;
-  for (int i = 0; i < full; i += 64) {
-    const __m512i c = _mm512_loadu_si512(codes + i);
-    if (old_codes != nullptr) _mm512_storeu_si512(old_codes + i, c);
-    __m512 m[4];
-    Decode64(r, c, m);
-    for (int q = 0; q < 4; ++q) {
-      const __m512 old = _mm512_mul_ps(m[q], a);
-      const __m512 si = _mm512_loadu_ps(seen + i + 16 * q);
-      const __m512 s = divide ? _mm512_div_ps(si, d) : si;
-      const __mmask16 keep = _mm512_cmp_ps_mask(old, s, _CMP_GT_OQ) |
-                             _mm512_cmp_ps_mask(old, old, _CMP_UNORD_Q);
-      const __m512 v = _mm512_mask_blend_ps(keep, s, old);
-      _mm512_storeu_ps(out + i + 16 * q, v);
-      top = _mm512_max_epu32(top, AbsBits(v));
-    }
-  }
+  const MaxValue value{seen, _mm512_set1_ps(divisor), divide};
+  const uint32_t top = VbmiPass(codes, planes, absmax, full, out, old_codes, value);
   MaxBlockAvx512(seen + full, codes + full, qmap, absmax, divide, divisor, valid - full,
                  block - full, out + full);
-  if (old_codes != nullptr) {
-    std::memcpy(old_codes + full, codes + full, static_cast<size_t>(block - full));
-  }
-  return std::max(_mm512_reduce_max_epu32(top), AbsMaxBits(out + full, block - full));
+  return VbmiTail(codes, full, block, out, old_codes, top);
 }
 
 bool CpuHasAvx512Vbmi() {

@@ -123,6 +123,17 @@ def available() -> bool:
     return _register()
 
 
+_calls_compiled = 0
+
+
+def calls_compiled() -> int:
+    """How many kernel calls (either kernel) this process has lowered into compiled programs:
+    a count of the choices :func:`single_device_or` made for the kernel. What tells whether
+    a run used the kernels (the report records it): programs inside ``shard_map``, sharded
+    ones and those for other platforms never call them."""
+    return _calls_compiled
+
+
 def uses_avx512() -> bool:
     """Whether the kernel decodes the stored codes with AVX-512 register permutes on this
     CPU (an x86-64 CPU with AVX-512F; elsewhere the compiler-vectorized loops, with the same
@@ -499,8 +510,10 @@ def _dispatch_lowering(ctx, *args, single, partitioned, out_avals):
     # contexts (e.g. inside shard_map) take the partitionable path. So do exported programs
     # (jax.export): they may be run where this package's kernel is not registered, and
     # jax.export refuses custom calls without compatibility guarantees.
+    global _calls_compiled
     num_devices = getattr(ctx.module_context.axis_context, "num_devices", None)
     single_device = num_devices == 1 and not _lowering_for_export(ctx)
+    _calls_compiled += single_device
     fn = single if single_device else partitioned
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 

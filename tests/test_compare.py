@@ -83,7 +83,9 @@ def test_report_smoke_schema_and_resume(tmp_path):
     assert "## Coupled L2 vs AdamW" in text and "## Learning rate × weight decay" in text
     env = json.loads((tmp_path / "environment.json").read_text())
     assert {"jax", "optax", "optax_decoupled", "device_kind", "cpu_kernel"} <= set(env)
-    assert ("8-bit CPU kernel built" in text) == env["cpu_kernel"]
+    assert ("8-bit/bfloat16 state built" in text) == env["cpu_kernel"]
+    calls = env["cpu_kernel_calls_compiled"]
+    assert (f"{calls} kernel call(s) compiled" in text) == env["cpu_kernel"]
 
     doc = json.loads((tmp_path / "compare" / "results.json").read_text())
     cfg = compare.CompareConfig.preset("smoke")

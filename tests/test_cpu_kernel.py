@@ -404,9 +404,13 @@ def test_inside_shard_map_the_loop_is_used():
     sharded = jax.jit(
         jax.shard_map(jax.vmap(train), mesh=mesh, in_specs=P("configs"), out_specs=P("configs"))
     )
+    # calls_compiled() counts the kernel calls lowered (what the report records).
+    before = cpu_kernel.calls_compiled()
     assert cpu_kernel.TARGET not in sharded.lower(batch).as_text()
+    assert cpu_kernel.calls_compiled() == before
     single = jax.jit(jax.vmap(train))
     assert cpu_kernel.TARGET in single.lower(batch).as_text()
+    assert cpu_kernel.calls_compiled() == before + 3  # one per step (both moments)
     np.testing.assert_allclose(sharded(batch), single(batch), rtol=0, atol=1e-6)
 
 

@@ -64,7 +64,8 @@ def environment() -> dict[str, Any]:
         "devices": [str(d) for d in devices],
         "device_kind": devices[0].device_kind,
         "cpu_count": os.cpu_count(),
-        # Whether 8-bit state may use the compiled CPU kernel (optax_decoupled.cpu_kernel).
+        # Whether the compiled CPU kernels for 8-bit and bfloat16 state are built
+        # (optax_decoupled.cpu_kernel); whether a run used them: "cpu_kernel_calls_compiled".
         "cpu_kernel": cpu_kernel.available(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -229,8 +230,10 @@ def run_report(
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     xla_setup.configure_cpu()  # before any JAX work: fast loops, a CPU device per core
+    from optax_decoupled import cpu_kernel
+
     sections, walls = [], {}
-    t0 = time.perf_counter()
+    t0, kernel_calls0 = time.perf_counter(), cpu_kernel.calls_compiled()
     for part in parts:
         log(f"[report] {part} ({scale}) ...")
         doc, wall, skipped = run_part(
@@ -240,6 +243,15 @@ def run_report(
         log(f"[report] {part}: {'already done, skipped' if skipped else f'{wall:.1f} s'}")
         sections.append(RUNNERS[part][1](doc, part))
     env = environment()
+    # Kernel calls compiled into this invocation's programs (0: its 8-bit and bfloat16 runs
+    # took XLA's programs, e.g. inside shard_map over several CPU devices).
+    env["cpu_kernel_calls_compiled"] = cpu_kernel.calls_compiled() - kernel_calls0
+    kernels = (
+        f"CPU kernels for 8-bit/bfloat16 state built, {env['cpu_kernel_calls_compiled']} "
+        "kernel call(s) compiled into this invocation's programs"
+        if env["cpu_kernel"]
+        else "CPU kernels for 8-bit/bfloat16 state not built"
+    )
     rows = "\n".join(
         f"| {p} | {w:.1f} s{' (from an earlier run)' if s else ''} |" for p, (w, s) in walls.items()
     )
@@ -248,7 +260,7 @@ def run_report(
         f"optax-decoupled {env['optax_decoupled']}, JAX {env['jax']} (jaxlib {env['jaxlib']}), "
         f"Optax {env['optax']}, Python {env['python']}; device: {env['device_kind']} "
         f"({env['backend']}, {len(env['devices'])} device(s)), {env['cpu_count']} CPU cores, "
-        f"8-bit CPU kernel {'built' if env['cpu_kernel'] else 'not built'}; "
+        f"{kernels}; "
         f"generated {env['date']}.\n\n"
         "Every number and figure below was measured by this run (or, where marked, by an "
         "earlier run of the same scale that this one resumed). Machine-readable results: "

@@ -142,10 +142,18 @@ def step_memory(
     """Compile ``fn(*args, **kwargs)`` and return its :class:`StepMemory`.
 
     ``fn`` may be a plain function (it is wrapped in ``jax.jit`` with ``donate_argnums`` and
-    ``static_argnums``) or an already jitted one (anything with ``.lower``). Arguments may be
+    ``static_argnums``) or an already jitted one (anything with ``.lower``), which carries
+    its own (passing either here too is an error: it would be ignored). Arguments may be
     arrays or ``jax.ShapeDtypeStruct`` s; nothing runs.
     """
-    if not hasattr(fn, "lower"):
+    if hasattr(fn, "lower"):
+        for name, value in (("donate_argnums", donate_argnums), ("static_argnums", static_argnums)):
+            if value not in ((), None):
+                raise ValueError(
+                    f"`{name}` applies to a plain function; this one is already jitted: give "
+                    f"it to jax.jit instead (jax.jit(fn, {name}=...))."
+                )
+    else:
         fn = jax.jit(fn, donate_argnums=donate_argnums, static_argnums=static_argnums)
     compiled = fn.lower(*args, **kwargs).compile()
     stats = compiled.memory_analysis()
@@ -166,9 +174,10 @@ def step_memory(
     )
 
 
-def moment_bytes_per_element(state_dtype: Any, *, block_size: int = 256) -> float:
+def moment_bytes_per_element(state_dtype: Any) -> float:
     """Bytes per element of one stored moment of a large tensor: 4 (float32), 2 (bfloat16 /
-    float16), ``1 + 4 / block_size`` (int8 block-wise: a code plus a share of the scale)."""
+    float16), ``1 + 4 / block_size`` (int8 block-wise: a code plus a share of the scale;
+    ``"int8"`` has blocks of 256, ``BlockwiseInt8Storage(block_size=...)`` others)."""
     from optax_decoupled import storage
 
     store = storage.resolve_storage(state_dtype)

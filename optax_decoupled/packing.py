@@ -71,6 +71,7 @@ import optax
 
 from optax_decoupled import _validation as V
 from optax_decoupled import masks as masks_lib
+from optax_decoupled.quantization import QuantizedArray
 
 #: Top-level keys of a packed tree.
 DECAY, NO_DECAY = "decay", "no_decay"
@@ -152,8 +153,8 @@ class PackedLayout:
                     continue
                 parts = [jnp.reshape(leaves[s.leaf], (s.size,)) for s in b.slots]
                 pad = b.length - sum(s.size for s in b.slots)
-                if pad:
-                    parts.append(jnp.zeros((pad,), b.dtype))
+                if pad:  # in the leaves' dtype (e.g. bfloat16 moments of float32 parameters)
+                    parts.append(jnp.zeros((pad,), jnp.result_type(*parts)))
                 out[key][name] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
         return out
 
@@ -197,6 +198,7 @@ class PackedLayout:
         :class:`PackedState` or its ``inner_state``)."""
         if isinstance(state, PackedState):
             state = state.inner_state
+        _reject_quantized(state, "unpack_state")
         if not any(self._is_packed(x) for x in jax.tree.leaves(state, is_leaf=self._is_packed)):
             raise ValueError(
                 "unpack_state: no moment in this state has this layout's buffers "
@@ -210,6 +212,7 @@ class PackedLayout:
     def pack_state(self, state: Any) -> PackedState:
         """The inverse of :meth:`unpack_state`: packs every parameter-shaped subtree of an
         unpacked optimizer's state, giving the state of the :func:`packed` optimizer."""
+        _reject_quantized(state, "pack_state")
         if not any(self._is_unpacked(x) for x in jax.tree.leaves(state, is_leaf=self._is_unpacked)):
             raise ValueError(
                 "pack_state: no moment in this state has the parameters' structure and shapes."
@@ -218,6 +221,16 @@ class PackedLayout:
             lambda x: self.pack(x) if self._is_unpacked(x) else x, state, is_leaf=self._is_unpacked
         )
         return PackedState(inner_state=packed_inner)
+
+
+def _reject_quantized(state: Any, method: str) -> None:
+    is_q = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    if any(is_q(x) for x in jax.tree.leaves(state, is_leaf=is_q)):
+        raise ValueError(
+            f"{method}: this state holds 8-bit moments, whose blocks and scales belong to one "
+            "layout (a packed buffer's blocks span several leaves); convert a float32 or "
+            "bfloat16 state, or start the other optimizer afresh."
+        )
 
 
 #: Buffer lengths are rounded up to a multiple of this many elements: XLA:CPU runs elementwise

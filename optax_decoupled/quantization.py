@@ -286,7 +286,11 @@ def num_blocks(size: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
 
 
 def _check_block_size(block_size: int) -> None:
-    if not isinstance(block_size, int | np.integer) or block_size < 1:
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, int | np.integer)
+        or block_size < 1
+    ):
         raise ValueError(f"`block_size` must be a positive int, got {block_size!r}.")
 
 
@@ -303,12 +307,25 @@ def _scales(absmax: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return absmax, factor, scale
 
 
+def _block_absmax(x: jax.Array) -> jax.Array:
+    """``max |x|`` over the last axis, NaN if the block holds a NaN.
+
+    Taken as the integer max of the bit patterns of ``|x|`` (ordered as the values are, with
+    NaN above infinity), as the CPU kernel takes it: XLA:CPU's vectorized float max drops
+    NaNs (with 16 blocks or more it gave ``1.0`` for a block with a NaN inside and ``-inf``
+    for one ending in a NaN), which would let a NaN gradient pass as a finite or a negative
+    second moment."""
+    a = jnp.abs(x)
+    bits = jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}"))
+    return jax.lax.bitcast_convert_type(jnp.max(bits, axis=-1), a.dtype)
+
+
 def quantize_blocks(blocks: jax.Array, *, signed: bool) -> QuantizedArray:
     """Quantize an array of blocks ``(..., n_blocks, B)``, one absmax per block."""
     x = blocks.astype(jnp.float32)
     # Saturate ±inf to ±float32.max: a clipped absmax, and x / absmax clipped to [-1, 1] in
-    # quantize_normalized (NaN stays NaN).
-    absmax, factor, scale = _scales(jnp.max(jnp.abs(x), axis=-1))
+    # quantize_normalized (NaN stays NaN: a block with a NaN becomes NaN).
+    absmax, factor, scale = _scales(_block_absmax(x))
     codes = quantize_normalized((x * factor[..., None]) / scale[..., None], signed=signed)
     return QuantizedArray(codes, absmax, signed)
 
@@ -379,7 +396,7 @@ def _quantize(x: jax.Array, *, signed: bool, block_size: int) -> QuantizedArray:
     parts = [tail.reshape(1, block_size)]
     if full:
         parts.insert(0, flat[: full * block_size].reshape(full, block_size))
-    absmax = jnp.concatenate([jnp.max(jnp.abs(p), axis=-1) for p in parts])
+    absmax = jnp.concatenate([_block_absmax(p) for p in parts])
     absmax, factor, scale = _scales(absmax)
     normalized = (flat * _per_element(factor, block_size, size)) / _per_element(
         scale, block_size, size

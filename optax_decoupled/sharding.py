@@ -34,19 +34,30 @@ def state_shardings(
     params: Any,
     replicated: jax.sharding.Sharding | None = None,
 ) -> Any:
-    """The sharding of every leaf of ``tx.init(params)``: each moment takes its parameter's.
+    """The sharding of every leaf of ``tx.init(params)``: each moment takes its parameter's
+    (a parameter on one device among parameters on a mesh, e.g. an uncommitted bias, gets
+    moments replicated on that mesh, where ``jit`` would put it).
 
     Non-parameter leaves (step counts, injected hyperparameters) get ``replicated``, by
     default a fully replicated :class:`~jax.sharding.NamedSharding` on the mesh of the first
-    sharded parameter (or the single device of an unsharded one).
+    parameter on a mesh (else the sharding of the first parameter, or the default device
+    when there are no parameters).
     """
     param_shardings = jax.tree.map(lambda p: p.sharding, params)
     if replicated is None:
-        first = jax.tree.leaves(param_shardings)[0]
-        if isinstance(first, jax.sharding.NamedSharding):
-            replicated = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+        leaves = jax.tree.leaves(param_shardings)
+        on_mesh = [s for s in leaves if isinstance(s, jax.sharding.NamedSharding)]
+        if on_mesh:
+            replicated = jax.sharding.NamedSharding(on_mesh[0].mesh, jax.sharding.PartitionSpec())
+        elif leaves:
+            replicated = leaves[0]
         else:
-            replicated = first
+            replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if isinstance(replicated, jax.sharding.NamedSharding):
+        param_shardings = jax.tree.map(
+            lambda s: replicated if isinstance(s, jax.sharding.SingleDeviceSharding) else s,
+            param_shardings,
+        )
     shapes = jax.eval_shape(tx.init, params)
     return optax.tree_utils.tree_map_params(
         tx,

@@ -24,6 +24,7 @@ Accepted ``state_dtype`` values:
                        (:class:`FloatStorage`; on CPU the moving averages run in a
                        compiled kernel)
 ``"float16"``          float16 moments
+``"float64"``          float64 moments (with ``jax_enable_x64``)
 ``"int8"``             8-bit block-wise quantized moments (:class:`BlockwiseInt8Storage`
                        with its defaults: blocks of 256, tensors under 4096 elements in
                        float32)
@@ -126,7 +127,13 @@ def _read_compute_write(store, fn, stored, operands, like, signed, return_old=Fa
 
 @dataclasses.dataclass(frozen=True)
 class ParamDtypeStorage:
-    """Moments stored in the parameter's own dtype (``state_dtype=None``)."""
+    """Moments stored in the parameter's own dtype (``state_dtype=None``).
+
+    The moments keep the dtype :meth:`init` gave them, the parameter's, whatever the
+    gradient's dtype: the update is computed in the promoted dtype, as ``jnp`` promotes,
+    and cast back (so a float32 moment of a float32 parameter stays float32 under bfloat16
+    gradients, and the state's types never change between steps, which ``jax.lax.scan``
+    and ``jit``'s cache need)."""
 
     name: str = "param"
 
@@ -139,8 +146,26 @@ class ParamDtypeStorage:
         return stored
 
     def write(self, value: jax.Array, like: jax.Array, signed: bool) -> jax.Array:
+        """``value`` in ``like``'s dtype (``like``: the parameter, or a moment of its dtype)."""
         del signed
         return value.astype(jnp.result_type(like))
+
+    def update(
+        self,
+        fn: Any,
+        stored: tuple[Any, ...],
+        operands: tuple[jax.Array, ...],
+        like: jax.Array,
+        signed: tuple[bool, ...],
+        return_old: bool = False,
+    ) -> Any:
+        """:func:`update_moments`, each new moment written in its stored dtype."""
+        del like
+        values = fn(*stored, *operands)
+        new = tuple(
+            self.write(v, s, signed=sg) for v, s, sg in zip(values, stored, signed, strict=True)
+        )
+        return (new, tuple(stored)) if return_old else new
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +190,15 @@ class FloatStorage:
     cpu_kernel: bool = True
 
     def __post_init__(self):
+        try:
+            floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise ValueError(
+                f"`dtype` of FloatStorage must be a floating dtype (e.g. jnp.bfloat16), got "
+                f"{self.dtype!r}; for 8-bit state use BlockwiseInt8Storage or 'int8'."
+            )
         if not isinstance(self.cpu_kernel, bool):
             raise ValueError(f"`cpu_kernel` must be True or False, got {self.cpu_kernel!r}.")
 
@@ -238,7 +272,11 @@ class BlockwiseInt8Storage:
 
     def __post_init__(self):
         quant_lib._check_block_size(self.block_size)
-        if not isinstance(self.min_size, int | np.integer) or self.min_size < 0:
+        if (
+            isinstance(self.min_size, bool)
+            or not isinstance(self.min_size, int | np.integer)
+            or self.min_size < 0
+        ):
             raise ValueError(f"`min_size` must be a non-negative int, got {self.min_size!r}.")
         if not isinstance(self.cpu_kernel, bool):
             raise ValueError(f"`cpu_kernel` must be True or False, got {self.cpu_kernel!r}.")
@@ -360,8 +398,9 @@ def resolve_storage(state_dtype: StateDtype, *, argument: str = "state_dtype") -
     if name is None:
         raise ValueError(
             f"`{argument}` must be None (the parameter dtype), 'float32', 'bfloat16', "
-            f"'float16' (or the matching jnp dtype), 'int8' (8-bit block-wise) or a storage "
-            f"object such as BlockwiseInt8Storage(block_size=2048), got {state_dtype!r}."
+            f"'float16', 'float64' (or the matching jnp dtype), 'int8' (8-bit block-wise) or "
+            f"a storage object such as BlockwiseInt8Storage(block_size=2048), got "
+            f"{state_dtype!r}."
         )
     return FloatStorage(dtype=jnp.dtype(name), name=name)
 

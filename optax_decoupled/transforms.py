@@ -23,10 +23,12 @@ from typing import Any, NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_decoupled import _validation as V
 from optax_decoupled import masks as masks_lib
+from optax_decoupled import quantization as quant_lib
 from optax_decoupled import storage as storage_lib
 from optax_decoupled.moment_updates import EmaMoments
 
@@ -61,14 +63,24 @@ def _map_unzip(fn, tree: Any, *rest: Any) -> list[Any]:
 def _check_shapes(updates: Any, reference: Any, name: str, what: str) -> None:
     """Raises ``ValueError`` naming the first leaf whose update shape differs from the
     reference's (JAX would otherwise broadcast e.g. a (3,) gradient against a (2, 3) moment).
-    Quantized moments (pytrees) are not compared here: they are checked on decode."""
+    A quantized moment keeps no shape: its number of blocks is compared with the update's
+    size (the transforms also compare the updates with ``params`` when they get them)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
     try:
         refs = treedef.flatten_up_to(reference)
     except (ValueError, TypeError):
         return  # structure mismatches get JAX's own error naming the key path
     for (path, u), r in zip(leaves, refs, strict=True):
-        if hasattr(r, "shape") and not isinstance(r, tuple) and jnp.shape(u) != jnp.shape(r):
+        if isinstance(r, quant_lib.QuantizedArray) and r.codes.ndim == 2:
+            size = int(np.prod(jnp.shape(u)))
+            if quant_lib.num_blocks(size, r.block_size) != r.codes.shape[0]:
+                raise ValueError(
+                    f"{name}: the update at {jax.tree_util.keystr(path)} has shape "
+                    f"{jnp.shape(u)} ({size} elements) but the 8-bit {what} holds "
+                    f"{r.codes.shape[0]} blocks of {r.block_size}; gradients must have their "
+                    "parameters' shapes."
+                )
+        elif hasattr(r, "shape") and not isinstance(r, tuple) and jnp.shape(u) != jnp.shape(r):
             raise ValueError(
                 f"{name}: the update at {jax.tree_util.keystr(path)} has shape {jnp.shape(u)} "
                 f"but the {what} has shape {jnp.shape(r)}; gradients must have their "
@@ -358,8 +370,9 @@ def scale_by_adam(
     """
     V.check_beta("b1", b1)
     V.check_beta("b2", b2)
-    V.check_non_negative("eps", eps)
-    V.check_non_negative("eps_root", eps_root)
+    for name, value in (("eps", eps), ("eps_root", eps_root)):
+        V.check_not_schedule(name, value)
+        V.check_non_negative(name, value)
     V.check_choice("amsgrad", amsgrad, AMSGRAD_VARIANTS)
     store = storage_lib.resolve_storage(state_dtype)
 
@@ -373,12 +386,13 @@ def scale_by_adam(
         return ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu, nu_max=nu_max)
 
     def update_fn(updates, state, params=None):
-        del params
         count = optax.safe_increment(state.count)
         bc1 = 1 - b1**count
         bc2 = 1 - b2**count
 
         _check_shapes(updates, state.mu, "scale_by_adam", "first moment")
+        if params is not None:
+            _check_shapes(updates, params, "scale_by_adam", "parameter")
 
         # Element-wise: (mu, nu[, nu_max]) at t-1 and g -> the same at t.
         moments = EmaMoments(
@@ -466,9 +480,9 @@ def scale_by_lion(
         return ScaleByLionState(count=jnp.zeros([], jnp.int32), mu=mu)
 
     def update_fn(updates, state, params=None):
-        del params
-
         _check_shapes(updates, state.mu, "scale_by_lion", "momentum")
+        if params is not None:
+            _check_shapes(updates, params, "scale_by_lion", "parameter")
 
         momentum = EmaMoments((b2,), (1,))
 

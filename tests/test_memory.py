@@ -86,6 +86,9 @@ def test_step_memory_counts_donation():
     # An already-jitted function works too.
     jitted = jax.jit(step, donate_argnums=(0, 1))
     assert memory.step_memory(jitted, abstract, state, abstract).aliased == donated.aliased
+    # Its own donation counts; one given here as well would be ignored, so it is an error.
+    with pytest.raises(ValueError, match="`donate_argnums` applies to a plain function"):
+        memory.step_memory(jax.jit(step), abstract, state, abstract, donate_argnums=(0, 1))
 
 
 def test_training_memory_and_format():

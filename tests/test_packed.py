@@ -321,6 +321,23 @@ def test_checkpoint_round_trip_and_conversion():
     assert_identical(p_conv, p_full)
 
 
+def test_state_conversion_keeps_low_precision_moments_and_refuses_8bit():
+    """pack_state pads a buffer in its moments' dtype (bfloat16 state stays bfloat16, so the
+    converted state is a valid scan carry); 8-bit moments cannot change layout: a clear error."""
+    params = {"w": jnp.ones((100, 100)), "b": jnp.ones((7,)), "v": jnp.ones((3000,))}
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.1), params)
+    layout = packed_layout(params)
+    tx = packed(od.adamw)(1e-3, state_dtype="bfloat16")
+    converted = layout.pack_state(od.adamw(1e-3, state_dtype="bfloat16").init(params))
+    chex.assert_trees_all_equal_shapes_and_dtypes(converted, tx.init(params))
+    jax.lax.scan(lambda s, _: (tx.update(grads, s, params)[1], None), converted, length=2)
+    storage = od.BlockwiseInt8Storage(min_size=0)
+    with pytest.raises(ValueError, match="pack_state: this state holds 8-bit moments"):
+        layout.pack_state(od.adamw(1e-3, state_dtype=storage).init(params))
+    with pytest.raises(ValueError, match="unpack_state: this state holds 8-bit moments"):
+        layout.unpack_state(packed(od.adamw)(1e-3, state_dtype=storage).init(params))
+
+
 def test_flat_parameters_with_the_layout_mask():
     """Parameters kept packed by the user: the plain optimizer with ``layout.mask``."""
     params = mixed_params()

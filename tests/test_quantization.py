@@ -203,6 +203,30 @@ def test_extreme_values_stay_finite(signed, value):
         np.testing.assert_array_equal(np.sign(back[~finite]), np.sign(x[~finite]))
 
 
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("n_blocks, size", [(2, 512), (16, 4096), (40, 40 * 256 - 100)])
+@pytest.mark.parametrize("where", ["first", "middle", "last", "all"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_nan_makes_its_block_nan(signed, n_blocks, size, where, dtype):
+    """A NaN anywhere in a block makes that block's absmax and every value NaN, and nothing
+    else: XLA:CPU's vectorized float max drops NaNs (from 16 blocks on it gave 1.0 or -inf),
+    so the absmax is taken on the bit patterns (a NaN read back as finite or -inf would let
+    a NaN gradient pass unnoticed, or make nu negative)."""
+    x = np.linspace(0.01, 1.0, size).astype(np.float32)
+    block = n_blocks // 2
+    lo, hi = block * 256, min((block + 1) * 256, size)
+    index = {"first": [lo], "middle": [lo + 100], "last": [hi - 1], "all": range(lo, hi)}[where]
+    x[list(index)] = np.nan
+    q = jax.jit(lambda v: Q.quantize(v, signed=signed))(jnp.asarray(x, dtype))
+    absmax = np.asarray(q.absmax)
+    assert q.codes.shape[0] == n_blocks
+    assert np.isnan(absmax[block]) and np.all(np.isfinite(np.delete(absmax, block)))
+    back = np.asarray(Q.dequantize(q, x.shape))
+    assert np.all(np.isnan(back[lo:hi]))
+    others = np.concatenate([back[:lo], back[hi:]])
+    assert np.all(np.isfinite(others)) and np.all(others >= 0)
+
+
 def test_zero_block_has_zero_absmax_and_zero_values():
     q = Q.quantize(jnp.zeros(512), signed=True)
     np.testing.assert_array_equal(q.absmax, 0.0)

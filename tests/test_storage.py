@@ -91,6 +91,52 @@ def test_resolve_int8_and_storage_objects():
         S.BlockwiseInt8Storage(block_size=0)
     with pytest.raises(ValueError, match="min_size"):
         S.BlockwiseInt8Storage(min_size=-1)
+    with pytest.raises(ValueError, match="`block_size` must be a positive int, got True"):
+        S.BlockwiseInt8Storage(block_size=True)
+    with pytest.raises(ValueError, match="`min_size` must be a non-negative int, got False"):
+        S.BlockwiseInt8Storage(min_size=False)
+    for bad in (jnp.int8, "uint8", jnp.bool_, "not a dtype"):
+        with pytest.raises(ValueError, match="`dtype` of FloatStorage must be a floating"):
+            S.FloatStorage(bad)
+
+
+@pytest.mark.parametrize("state_dtype", [None, "float32", "bfloat16", TINY])
+@pytest.mark.parametrize("name", ["adamw", "amsgrad", "lion"])
+@pytest.mark.parametrize(
+    "param_dtype, grad_dtype", [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)]
+)
+def test_state_types_never_change_with_the_gradient_dtype(
+    name, state_dtype, param_dtype, grad_dtype
+):
+    """Moments keep the dtype init gave them (state_dtype=None: the parameter's) whatever the
+    gradient's dtype, so the state can be a lax.scan carry; the update has the gradient's."""
+    params = jax.tree.map(lambda x: x.astype(param_dtype), make_params())
+    tx = FACTORIES[name](1e-2, 0.1, state_dtype)
+    state = tx.init(params)
+    grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads_at(0, params))
+
+    def body(carry, _):
+        updates, new_state = tx.update(grads, carry, params)
+        return new_state, updates
+
+    final, updates = jax.lax.scan(body, state, length=2)
+    chex.assert_trees_all_equal_shapes_and_dtypes(final, state)
+    assert {u.dtype for u in jax.tree.leaves(updates)} == {jnp.dtype(grad_dtype)}
+    if state_dtype is None:  # the parameter's dtype (Optax would promote bfloat16 moments)
+        assert {m.dtype for m in jax.tree.leaves(final[0].mu)} == {jnp.dtype(param_dtype)}
+
+
+@pytest.mark.parametrize("state_dtype", [None, TINY, "int8"])
+def test_gradient_of_another_shape_is_named(state_dtype):
+    """A gradient with its parameter's size but not its shape (or another size) is an error
+    naming the leaf, also where 8-bit moments keep no shape."""
+    params = {"w": jnp.ones((80, 64))}
+    tx = od.scale_by_adam(state_dtype=state_dtype)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"update at \['w'\] has shape \(64, 80\)"):
+        tx.update({"w": jnp.ones((64, 80))}, state, params)
+    with pytest.raises(ValueError, match=r"update at \['w'\] has shape \(81, 64\)"):
+        tx.update({"w": jnp.ones((81, 64))}, state)  # no params: the moments' size tells
 
 
 def test_small_tensors_stay_float32_large_are_quantized():
@@ -131,6 +177,26 @@ def test_float64_params_with_x64():
 # ---------------------------------------------------------------------------------------------
 # Values: nu >= 0, extreme gradients, first step exact, trajectory close to float32
 # ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "xla"])
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_nan_gradient_makes_its_blocks_nan_on_every_path(kernel, param_dtype):
+    """Without apply_if_finite a NaN gradient element poisons the moments of its block (and
+    nothing else), on the kernel's path and on XLA's alike; nu never reads back -inf."""
+    w = jnp.linspace(-1.0, 1.0, 40 * 256).reshape(40, 256).astype(param_dtype)
+    g = (0.1 * w).at[20, 255].set(jnp.nan)
+    tx = od.amsgrad(1e-2, mask=None, state_dtype=S.BlockwiseInt8Storage(cpu_kernel=kernel))
+    state = tx.init({"w": w})
+    for _ in range(2):  # the NaN step, then a finite one
+        _, state = jax.jit(tx.update)({"w": g}, state, {"w": w})
+        g = 0.1 * w
+    for moment in (state[0].mu, state[0].nu, state[0].nu_max):
+        value = np.asarray(Q.dequantize(moment["w"], w.shape))
+        assert np.all(np.isnan(value[20])), "the block with the NaN"
+        rest = np.delete(value, 20, axis=0)
+        assert np.all(np.isfinite(rest))
+        assert moment["w"].signed or np.all(rest >= 0)
 
 
 @pytest.mark.parametrize("name", ["adamw", "amsgrad", "amsgrad_optax"])

@@ -65,7 +65,31 @@ def main(state_dtypes):
         ("auto", jax.sharding.Mesh(jax.devices(), ("fsdp",))),
     ):
         run_mesh(kind, mesh, state_dtypes, results)
+    results["mixed-devices"] = check_mixed_devices(jax.make_mesh((8,), ("fsdp",)))
     print(json.dumps(results))
+
+
+def check_mixed_devices(mesh):
+    """An uncommitted one-device parameter (first in tree order) next to mesh-sharded ones:
+    its moments and the step counts go on the mesh, replicated (where jit puts it), and
+    jit_init works; no parameters at all: the default device."""
+    problems = []
+    params = {
+        "a_bias": jnp.ones((5,)),
+        "w": jax.device_put(jnp.ones((64, 256)), NamedSharding(mesh, P("fsdp"))),
+    }
+    for sd in (None, "int8"):
+        tx = od.adamw(1e-3, state_dtype=sd)
+        state = sharding.jit_init(tx, params)
+        count, mu = state[0].count, state[0].mu
+        if not count.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0):
+            problems.append(f"{sd}: count has {count.sharding}")
+        if not mu["a_bias"].sharding.is_equivalent_to(NamedSharding(mesh, P()), 1):
+            problems.append(f"{sd}: mu of a_bias has {mu['a_bias'].sharding}")
+    empty = sharding.state_shardings(od.adamw(1e-3), {})
+    if empty[0].count != jax.sharding.SingleDeviceSharding(jax.devices()[0]):
+        problems.append(f"no parameters: count has {empty[0].count}")
+    return problems
 
 
 def check_block_placement(codes, param, problems):

@@ -1,8 +1,9 @@
 """Argument checks shared by the transforms and aliases (internal).
 
-Only *concrete* Python/NumPy numbers are checked: traced values (inside ``jit``, ``vmap`` or
-``optax.inject_hyperparams``), arrays and schedules pass through untouched, so hyperparameters
-can still be injected and batched.
+Only *concrete* values are checked: Python and NumPy numbers and arrays, and JAX arrays that
+are not traced (every element of an array). Traced values (inside ``jit``, ``vmap`` or a
+jitted ``optax.inject_hyperparams`` update) and schedules pass through untouched, so
+hyperparameters can still be injected and batched.
 """
 
 from __future__ import annotations
@@ -28,40 +29,68 @@ def concrete_number(value: Any) -> float | None:
     return None
 
 
-def _reject_bool(name: str, value: Any) -> None:
+def concrete_values(name: str, value: Any) -> np.ndarray | None:
+    """``value``'s elements as a float64 array if it is concrete (a number, or a NumPy or
+    untraced JAX array); ``None`` for traced values and schedules. Raises ``ValueError`` for
+    values that are none of these (a bool, a string, a non-numeric array)."""
+    if callable(value) and not isinstance(value, jax.Array):
+        return None
     if isinstance(value, bool):
         raise ValueError(
             f"`{name}` must be a number, a schedule or an array, got the bool {value}."
         )
+    x = concrete_number(value)
+    if x is not None:
+        return np.asarray(x, np.float64)
+    if isinstance(value, jax.Array):
+        try:
+            value = np.asarray(value)
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+            return None  # traced: checked by nothing, used as given
+    if isinstance(value, np.ndarray | np.generic) and (
+        np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)
+    ):
+        return np.asarray(value, np.float64)
+    raise ValueError(
+        f"`{name}` must be a number, a schedule or an array of numbers, got {value!r}."
+    )
+
+
+def _fail(name: str, value: Any, requirement: str) -> None:
+    what = "every element of " if np.ndim(value) else ""
+    raise ValueError(f"{what}`{name}` must {requirement}, got {value!r}.")
 
 
 def check_non_negative(name: str, value: Any) -> None:
     """Raises ``ValueError`` if a concrete ``value`` is negative or not finite."""
-    _reject_bool(name, value)
-    x = concrete_number(value)
-    if x is not None and not (np.isfinite(x) and x >= 0.0):
-        raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+    x = concrete_values(name, value)
+    if x is not None and not np.all(np.isfinite(x) & (x >= 0.0)):
+        _fail(name, value, "be a finite number >= 0")
 
 
 def check_positive(name: str, value: Any) -> None:
     """Raises ``ValueError`` if a concrete ``value`` is not > 0 or not finite."""
-    _reject_bool(name, value)
-    x = concrete_number(value)
-    if x is not None and not (np.isfinite(x) and x > 0.0):
-        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}.")
+    x = concrete_values(name, value)
+    if x is not None and not np.all(np.isfinite(x) & (x > 0.0)):
+        _fail(name, value, "be a finite number > 0")
+
+
+def check_not_schedule(name: str, value: Any) -> None:
+    """Raises ``ValueError`` for a schedule where only numbers and arrays are accepted."""
+    if callable(value) and not isinstance(value, jax.Array):
+        raise ValueError(
+            f"`{name}` must be a number or an array, not a schedule; only the learning rate "
+            "and the weight decay take schedules (optax.inject_hyperparams changes the others "
+            "during training)."
+        )
 
 
 def check_beta(name: str, value: Any) -> None:
     """Raises ``ValueError`` if a concrete decay rate lies outside ``[0, 1)``."""
-    _reject_bool(name, value)
-    if callable(value):
-        raise ValueError(
-            f"`{name}` must be a number in [0, 1) or an array, not a schedule; "
-            "use optax.inject_hyperparams to change it during training."
-        )
-    x = concrete_number(value)
-    if x is not None and not (0.0 <= x < 1.0):
-        raise ValueError(f"`{name}` must lie in [0, 1), got {value!r}.")
+    check_not_schedule(name, value)
+    x = concrete_values(name, value)
+    if x is not None and not np.all((x >= 0.0) & (x < 1.0)):
+        _fail(name, value, "lie in [0, 1)")
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:

@@ -18,10 +18,10 @@ alias              chain
    every parameter of a group and ``optax.adamw`` every leaf unless given a mask. Pass
    ``mask=None`` to reproduce them exactly.
 
-Every hyperparameter accepts a float, an ``optax`` schedule (a function of the step count) or an
-array; all aliases work inside ``optax.inject_hyperparams`` (learning rate and weight decay can
-be injected and ``jax.vmap``-ed), ``optax.MultiSteps``, ``optax.apply_if_finite`` and
-``optax.chain``.
+Every hyperparameter accepts a float or an array, and the learning rate and the weight decay
+also an ``optax`` schedule (a function of the step count); all aliases work inside
+``optax.inject_hyperparams`` (learning rate and weight decay can be injected and
+``jax.vmap``-ed), ``optax.MultiSteps``, ``optax.apply_if_finite`` and ``optax.chain``.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 MaskArg = Any  # "auto" | None | pytree of bools | Callable[[params], pytree] | DecayMask
 
@@ -161,10 +162,33 @@ def _from_rule(rule: Callable[[tuple[str, ...], int], bool], params: Any) -> Any
     return jax.tree_util.tree_unflatten(treedef, flags)
 
 
+def _is_empty_node(x: Any) -> bool:
+    """A parameter-tree node without leaves where a mask may still hold an entry: ``None``
+    or ``optax.MaskedNode`` (what ``optax.masked`` and ``optax.multi_transform`` put in place
+    of the leaves another transform owns)."""
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
 def _match_tree(mask_tree: Any, params: Any, argument: str) -> Any:
-    """Re-expresses a user mask pytree in the parameters' structure, matching by key path."""
+    """Re-expresses a user mask pytree in the parameters' structure, matching by key path.
+
+    Entries where the parameters have no leaves (``None``, ``optax.MaskedNode``) are
+    ignored, as Optax ignores them."""
     p_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    m_leaves, _ = jax.tree_util.tree_flatten_with_path(mask_tree)
+    m_leaves, m_treedef = jax.tree_util.tree_flatten_with_path(mask_tree)
+    if (
+        m_treedef.num_nodes == 1
+        and m_leaves
+        and p_leaves != []
+        and (len(p_leaves) > 1 or p_leaves[0][0] != ())
+    ):
+        raise ValueError(
+            f"`{argument}` must be 'auto', None, a decay_mask(...), a pytree of bools with "
+            f"the parameters' structure or a callable returning one; got the single value "
+            f"{m_leaves[0][1]!r}. (Inside optax.inject_hyperparams a plain callable is taken "
+            "for a schedule and called with the step count: pass "
+            "static_args=('mask',) or use decay_mask(...).)"
+        )
     by_path = {}
     for path, leaf in m_leaves:
         key = path_string(path)
@@ -181,7 +205,9 @@ def _match_tree(mask_tree: Any, params: Any, argument: str) -> Any:
                 f"`{argument}` does not match the parameters: '{key}' is a parameter but has no "
                 f"entry in the mask (mask paths: {sorted(by_path)[:8]}...)."
             )
+    empty, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_empty_node)
     extra = set(by_path) - set(p_paths)
+    extra -= {path_string(p) for p, node in empty if _is_empty_node(node)}
     if extra:
         first = next(path_string(p) for p, _ in m_leaves if path_string(p) in extra)
         raise ValueError(

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -37,9 +38,44 @@ def test_betas_must_lie_in_unit_interval(alias, name, value):
         ALIASES[alias](**{name: value})
 
 
-def test_beta_schedules_are_rejected():
-    with pytest.raises(ValueError, match="`b1` must be a number in"):
-        od.scale_by_adam(b1=lambda count: 0.9)
+@pytest.mark.parametrize("name", ["b1", "b2", "eps", "eps_root"])
+def test_schedules_only_for_learning_rate_and_weight_decay(name):
+    """Only the learning rate and the weight decay are called with the step count; a schedule
+    elsewhere is an error at construction, not a TypeError in the first update."""
+    with pytest.raises(ValueError, match=f"`{name}` must be a number or an array, not a sched"):
+        od.scale_by_adam(**{name: lambda count: 0.9})
+    with pytest.raises(ValueError, match=f"`{name}` must be a number or an array, not a sched"):
+        od.adamw(1e-3, **{name: optax.constant_schedule(0.1)})
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"learning_rate": jnp.asarray(-1e-2)}, "`learning_rate` must be a finite number >= 0"),
+        ({"learning_rate": np.array([1e-3, -1e-3])}, "every element of `learning_rate` must"),
+        ({"b1": jnp.asarray(1.0)}, r"`b1` must lie in \[0, 1\)"),
+        ({"b2": jnp.array([0.9, 1.2])}, r"every element of `b2` must lie in \[0, 1\)"),
+        ({"weight_decay": jnp.asarray(-5.0)}, "`weight_decay` must be a finite number >= 0"),
+        ({"eps": jnp.asarray(jnp.nan)}, "`eps` must be a finite number >= 0"),
+        ({"learning_rate": "1e-3"}, "`learning_rate` must be a number, a schedule or an array"),
+        ({"weight_decay": jnp.asarray(True)}, "`weight_decay` must be a number, a schedule"),
+    ],
+)
+def test_concrete_arrays_are_checked(kwargs, message):
+    """Concrete JAX and NumPy arrays are checked like numbers, element by element (what
+    optax.inject_hyperparams passes to the factory in an eager init)."""
+    with pytest.raises(ValueError, match=message):
+        od.adamw(**{"learning_rate": 1e-3, **kwargs})
+
+
+def test_inject_hyperparams_checks_concrete_values_at_init():
+    params = {"w": jnp.ones((2, 2))}
+    tx = optax.inject_hyperparams(od.adamw)(learning_rate=-1e-3)
+    with pytest.raises(ValueError, match="`learning_rate` must be a finite number >= 0"):
+        tx.init(params)
+    tx = optax.inject_hyperparams(od.adamw)(learning_rate=1e-3, weight_decay=0.1)
+    state = tx.init(params)
+    jax.jit(tx.update)(params, state, params)  # traced there: not checked, and valid anyway
 
 
 @pytest.mark.parametrize("alias", ADAM_ALIASES)

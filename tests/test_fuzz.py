@@ -66,7 +66,17 @@ CASES: dict[str, Case] = {
     ),
     "beta-out-of-range": Case("`b1`/`b2` outside [0, 1)", lambda: od.adamw(1e-3, b2=1.0)),
     "beta-schedule": Case(
-        "a schedule for `b1`/`b2`", lambda: od.scale_by_adam(b1=lambda count: 0.9)
+        "a schedule for `b1`, `b2`, `eps` or `eps_root` (only the learning rate and the weight "
+        "decay take schedules)",
+        lambda: od.scale_by_adam(b1=lambda count: 0.9),
+    ),
+    "array-out-of-range": Case(
+        "a concrete JAX or NumPy array with an element out of range (checked like a number)",
+        lambda: od.adamw(jnp.array([1e-3, -1e-3])),
+    ),
+    "string-hyperparameter": Case(
+        "a string (or other non-number) where a number is expected",
+        lambda: od.lion("1e-4"),
     ),
     "eps-negative": Case("`eps`/`eps_root` < 0", lambda: od.amsgrad(1e-3, eps=-1e-8)),
     "unknown-convention": Case(
@@ -94,6 +104,10 @@ CASES: dict[str, Case] = {
     "int8-min-size": Case(
         "8-bit storage with `min_size` < 0",
         lambda: storage.BlockwiseInt8Storage(min_size=-1),
+    ),
+    "float-storage-dtype": Case(
+        "`FloatStorage` with a dtype that is not floating (e.g. `jnp.int8`)",
+        lambda: storage.FloatStorage(jnp.int8),
     ),
     "int8-cpu-kernel": Case(
         "8-bit storage with `cpu_kernel` not a bool",
@@ -130,6 +144,11 @@ CASES: dict[str, Case] = {
         lambda: od.adam_l2(1e-3, weight_decay=0.1, mask={"w": jnp.ones(()), "b": False}).init(
             PARAMS
         ),
+    ),
+    "mask-single-value": Case(
+        "a single bool as the mask of a pytree (or, inside `optax.inject_hyperparams`, a "
+        "callable mask not in `static_args`)",
+        lambda: od.adamw(1e-3, mask=False).init(PARAMS),
     ),
     "mask-callable-mismatch": Case(
         "a mask callable whose result does not match the parameters",
@@ -174,6 +193,15 @@ CASES: dict[str, Case] = {
         "a gradient leaf whose shape only broadcasts to its parameter's ((3,) for (2, 3))",
         lambda: _update(od.adamw(1e-3), {"w": jnp.ones((3,)), "b": jnp.ones(3)}),
     ),
+    "grads-shape-8bit": Case(
+        "a gradient leaf of another size than its 8-bit moment's, `update` without `params` "
+        "(with `params`, any other shape is named as above)",
+        lambda: _update(
+            od.scale_by_adam(state_dtype=storage.BlockwiseInt8Storage(block_size=4, min_size=0)),
+            {"w": jnp.ones((3, 3)), "b": jnp.ones(3)},
+            with_params=False,
+        ),
+    ),
 }
 
 #: The messages a user can get from the core for bad input (the fuzz allows exactly these).
@@ -182,7 +210,12 @@ DOCUMENTED = [
     r"^`\w+` must be a finite number > 0, got ",
     r"^`\w+` must be a number, a schedule or an array, got the bool ",
     r"^`\w+` must lie in \[0, 1\), got ",
-    r"^`\w+` must be a number in \[0, 1\) or an array, not a schedule",
+    r"^`\w+` must be a number or an array, not a schedule; only the learning rate",
+    r"^every element of `\w+` must (be a finite number|lie in)",
+    r"^`\w+` must be a number, a schedule or an array of numbers, got ",
+    r"^`dtype` of FloatStorage must be a floating dtype",
+    r"^`\w+` must be 'auto', None, a decay_mask\(...\), a pytree of bools",
+    r"^\w+: the update at .* but the 8-bit .* holds \d+ blocks of",
     r"^`\w+` must be one of \(",
     r"^`coupled` must be a bool, got ",
     r"^`decay_convention`/`peak_learning_rate` apply to decoupled decay only",

@@ -117,6 +117,45 @@ def test_mismatched_mask_names_the_first_missing_path():
         tx.init(params)
 
 
+def test_mask_entries_over_empty_parameter_nodes_are_ignored():
+    """A full-structure mask still fits where the parameters hold None or optax.MaskedNode
+    (inside optax.masked and optax.multi_transform), as Optax's masks do."""
+    params = {"w": jnp.ones((2, 2)), "b": jnp.ones((2,)), "frozen": jnp.ones((3, 3))}
+    decay = {"w": True, "b": False, "frozen": True}
+    with_none = {**params, "frozen": None}
+    assert od.resolve_mask(decay, with_none) == {"w": True, "b": False, "frozen": None}
+    grads = jax.tree.map(jnp.ones_like, params)
+    labels = {"w": "a", "b": "a", "frozen": "z"}
+    ours = optax.multi_transform(
+        {"a": od.adamw(1e-2, mask=decay), "z": optax.set_to_zero()}, labels
+    )
+    ref = optax.multi_transform(
+        {"a": optax.adamw(1e-2, weight_decay=1e-2, mask=decay), "z": optax.set_to_zero()}, labels
+    )
+    got, _ = ours.update(grads, ours.init(params), params)
+    want, _ = ref.update(grads, ref.init(params), params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+    # Entries the parameters do have must still be there.
+    with pytest.raises(ValueError, match="'b' is a parameter but has no entry"):
+        od.resolve_mask({"w": True, "frozen": True}, with_none)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: od.adamw(1e-2, mask=False),
+        # A plain callable inside inject_hyperparams is called as a schedule (with the count).
+        lambda: optax.inject_hyperparams(od.adamw)(1e-2, mask=lambda p: jax.tree.map(bool, p)),
+    ],
+    ids=["bool", "inject-callable"],
+)
+def test_a_single_value_mask_says_what_a_mask_is(make):
+    params = {"w": jnp.ones((2, 2)), "b": jnp.ones((2,))}
+    with pytest.raises(ValueError, match=r"got the single value .*static_args=\('mask',\)"):
+        make().init(params)
+    assert od.resolve_mask(True, jnp.ones((2, 2))) is True  # one leaf, one entry: fine
+
+
 def test_unknown_mask_string():
     with pytest.raises(ValueError, match="`mask` string must be 'auto'"):
         od.adamw(1e-3, mask="all")

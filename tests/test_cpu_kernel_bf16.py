@@ -18,7 +18,7 @@ import pytest
 import optax_decoupled as od
 from optax_decoupled import cpu_kernel
 from optax_decoupled.moment_updates import EmaMoments
-from optax_decoupled.storage import FloatStorage
+from optax_decoupled.storage import FloatStorage, update_moments
 
 try:
     from tests.kernel_checks import NO_KERNEL, entry_copies, needs_kernel
@@ -151,6 +151,27 @@ def test_extreme_values_equal_numpy(name):
     stored = stored[:k]
     got = jax.jit(lambda s, g: cpu_kernel.ema_bf16(update, s, g))(stored, jnp.asarray(g))
     _assert_bits_equal(got, _np_update(update, stored, g))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["amsgrad", "amsgrad-divided"])
+def test_running_max_flushes_a_denormal_previous_max(name):
+    """The running max's previous value is only compared and selected, never computed with;
+    it is flushed like every other input (XLA's program gives 0 where it is a denormal and
+    the new nu is smaller). Found in review: the kernel kept the denormal's bits."""
+    vals = np.array([0.0, -0.0, 1e-39, -1e-39, 1e-45, 1.0, -1.0, -1e30, 1e-30], np.float32)
+    n = vals.size
+    prev, nu, g = np.repeat(vals, n * n), np.tile(np.repeat(vals, n), n), np.tile(vals, n * n)
+    stored = (jnp.zeros(g.shape, jnp.bfloat16), jnp.asarray(nu.astype(BF16)),
+              jnp.asarray(prev.astype(BF16)))  # fmt: skip
+    update, _ = UPDATES[name]
+    got = jax.jit(lambda s, g: cpu_kernel.ema_bf16(update, s, g))(stored, jnp.asarray(g))
+    _assert_bits_equal(got, _np_update(update, stored, g))
+    xla = FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False)
+    want = jax.jit(
+        lambda s, g: update_moments(xla, update, s, (g,), like=g, signed=(True, False, False))
+    )(stored, jnp.asarray(g))
+    _assert_bits_equal(got, want)
 
 
 @needs_kernel

@@ -34,6 +34,7 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -434,19 +435,23 @@ void QuantizeBlock(const float* x, const Encoder& e, int block, uint8_t* codes,
   EncodeBlock(x, factor, scale, e.lo, e.entries, e.shift, e.first, e.n, block, codes);
 }
 
-// Asks Linux for transparent huge pages for the whole 4 KiB pages inside [p, p + n), when
+// Asks Linux for transparent huge pages for the whole pages inside [p, p + n), when
 // n is at least kHugePageMin. The copy of the old codes (emit_old) lives in XLA's block of
 // temporaries, which glibc maps afresh on every step once it exceeds 32 MiB; filling it then
 // takes a page fault per 4 KiB from the kernel's threads (24,800 per step at 5e7 parameters),
 // and the step was 3% slower than with XLA's own copy. With huge pages (THP in "madvise"
 // mode, the common default) it is 12-19% faster instead (docs/memory.md). Only this buffer
-// is advised, never memory outside it; elsewhere, or where THP is off, nothing changes.
+// is advised, never memory outside it; elsewhere, or where THP is off, nothing changes. (The
+// advice stays on the range after XLA frees the block: where the allocator keeps it, as with
+// the docs' GLIBC_TUNABLES setting, the next step's block, at the same place, has it anyway.)
 constexpr size_t kHugePageMin = size_t{4} << 20;
 
 void AdviseHugePages(void* p, size_t n) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (n < kHugePageMin) return;
-  constexpr uintptr_t kPage = 4096;
+  const long page_size = sysconf(_SC_PAGESIZE);
+  if (page_size <= 0) return;
+  const uintptr_t kPage = static_cast<uintptr_t>(page_size);
   const uintptr_t start = (reinterpret_cast<uintptr_t>(p) + kPage - 1) & ~(kPage - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) & ~(kPage - 1);
   if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
@@ -494,6 +499,20 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n_tasks, F work) {
   shared->cv.wait(lock, [&] { return shared->done.load() == n_tasks; });
 }
 
+// XLA:CPU runs its programs with denormal inputs and results flushed to zero; so do both
+// kernels, on whichever thread a task runs (x86: the MXCSR's DAZ and FTZ bits), so that no
+// result depends on the thread that computed it.
+class ScopedFlushDenormals {
+ public:
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  ScopedFlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~ScopedFlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
 constexpr int64_t kTaskElements = 1 << 16;
 
 ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
@@ -502,7 +521,8 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
                              int64_t max_divide, int64_t power0, int64_t power1,
                              int64_t decode_limit, int64_t emit_old) {
   const int64_t n_moments = n_ema + has_max;
-  if (n_ema < 1 || n_ema > 2 || has_max < 0 || has_max > 1 || (has_max && n_ema != 2)) {
+  if (n_ema < 1 || n_ema > 2 || has_max < 0 || has_max > 1 || (has_max && n_ema != 2) ||
+      power0 < 1 || power0 > 2 || power1 < 1 || power1 > 2) {
     return ffi::Error::InvalidArgument("requantize_ema: unsupported moment layout");
   }
   const int64_t n_rets = 2 * n_moments * (emit_old ? 2 : 1);
@@ -537,7 +557,9 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
     } else if (dims[0] != n_blocks || dims[1] != block) {
       return ffi::Error::InvalidArgument("requantize_ema: moments differ in block layout");
     }
-    if (static_cast<int64_t>(absmax->element_count()) != n_blocks) {
+    if (static_cast<int64_t>(absmax->element_count()) != n_blocks ||
+        static_cast<int64_t>((*codes_o)->element_count()) != n_blocks * block ||
+        static_cast<int64_t>((*absmax_o)->element_count()) != n_blocks) {
       return ffi::Error::InvalidArgument("requantize_ema: absmax must be (n_blocks,)");
     }
     if (qmap->element_count() != 256 || table->element_count() < kHeader) {
@@ -563,6 +585,10 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
       auto old_absmax_o = rets.get<ffi::Buffer<ffi::F32>>(2 * n_moments + 2 * k + 1);
       if (!old_codes_o.has_value() || !old_absmax_o.has_value()) {
         return ffi::Error::InvalidArgument("requantize_ema: operand of the wrong type");
+      }
+      if (static_cast<int64_t>((*old_codes_o)->element_count()) != n_blocks * block ||
+          static_cast<int64_t>((*old_absmax_o)->element_count()) != n_blocks) {
+        return ffi::Error::InvalidArgument("requantize_ema: old copies must match the codes");
       }
       old_codes_out[k] = (*old_codes_o)->typed_data();
       old_absmax_out[k] = (*old_absmax_o)->typed_data();
@@ -598,6 +624,7 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
 #endif
 
   auto work = [&](int64_t task) {
+    ScopedFlushDenormals flush;
     std::vector<float> values(static_cast<size_t>(n_moments * block));
     const int64_t first = task * blocks_per_task;
     const int64_t last = std::min(n_blocks, first + blocks_per_task);
@@ -672,18 +699,6 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
 // (docs/memory.md); this reads each element once, writes the new moments in place and, with
 // emit_old, a copy of the old ones for the output.
 
-// XLA:CPU runs its programs with denormal inputs and results flushed to zero; so does this
-// kernel, on whichever thread a task runs (x86: the MXCSR's DAZ and FTZ bits).
-class ScopedFlushDenormals {
- public:
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  ScopedFlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
-  ~ScopedFlushDenormals() { _mm_setcsr(saved_); }
-
- private:
-  unsigned saved_;
-#endif
-};
 
 inline float Bf16ToF32(uint16_t h) { return FloatOf(static_cast<uint32_t>(h) << 16); }
 
@@ -704,58 +719,62 @@ struct Bf16Args {
   int n_ema, has_max, divide;
 };
 
-// Elements [begin, end): every input of an element is read before its outputs are written,
-// so `out` may alias `in`.
+// A denormal as the signed zero that DAZ makes of it in arithmetic (a value that is only
+// compared and selected, like the running max's previous value, keeps its bits otherwise).
+inline float FlushDenormal(float x) {
+  const uint32_t u = BitsOf(x);
+  return (u & 0x7f800000u) != 0 ? x : FloatOf(u & 0x80000000u);
+}
+
+// Elements [begin, end). Each moment is read and written through one pointer, `out`: the
+// outputs are the inputs in place (emit_old, what the transforms use), or are first filled
+// with the inputs here; every value of an element is read before it is written.
 OD_CLONES void EmaBf16Range(const Bf16Args& a, int64_t begin, int64_t end) {
   const float* __restrict g = a.g;
+  const size_t bytes = static_cast<size_t>(end - begin) * 2;
   for (int k = 0; k < a.n_ema + a.has_max; ++k) {
-    if (a.old[k] != nullptr) {
-      std::memcpy(a.old[k] + begin, a.in[k] + begin, static_cast<size_t>(end - begin) * 2);
-    }
+    if (a.old[k] != nullptr) std::memcpy(a.old[k] + begin, a.in[k] + begin, bytes);
+    if (a.out[k] != a.in[k]) std::memcpy(a.out[k] + begin, a.in[k] + begin, bytes);
   }
   if (a.n_ema == 1) {
-    const uint16_t* __restrict in0 = a.in[0];
-    uint16_t* __restrict out0 = a.out[0];
+    uint16_t* __restrict m0 = a.out[0];
     const float ci = a.c_in[0], ck = a.c_keep[0];
     const bool sq = a.power[0] == 2;
     for (int64_t i = begin; i < end; ++i) {
       const float src = sq ? g[i] * g[i] : g[i];
       const float t1 = ci * src;
-      const float t2 = ck * Bf16ToF32(in0[i]);
-      out0[i] = F32ToBf16(t1 + t2);
+      const float t2 = ck * Bf16ToF32(m0[i]);
+      m0[i] = F32ToBf16(t1 + t2);
     }
     return;
   }
-  const uint16_t* __restrict in0 = a.in[0];
-  const uint16_t* __restrict in1 = a.in[1];
-  uint16_t* __restrict out0 = a.out[0];
-  uint16_t* __restrict out1 = a.out[1];
+  uint16_t* __restrict m0 = a.out[0];
+  uint16_t* __restrict m1 = a.out[1];
   const float ci0 = a.c_in[0], ck0 = a.c_keep[0], ci1 = a.c_in[1], ck1 = a.c_keep[1];
   const bool sq0 = a.power[0] == 2, sq1 = a.power[1] == 2;
   if (!a.has_max) {
     for (int64_t i = begin; i < end; ++i) {
       const float gi = g[i], gg = gi * gi;
-      const float m0 = ci0 * (sq0 ? gg : gi) + ck0 * Bf16ToF32(in0[i]);
-      const float m1 = ci1 * (sq1 ? gg : gi) + ck1 * Bf16ToF32(in1[i]);
-      out0[i] = F32ToBf16(m0);
-      out1[i] = F32ToBf16(m1);
+      const float v0 = ci0 * (sq0 ? gg : gi) + ck0 * Bf16ToF32(m0[i]);
+      const float v1 = ci1 * (sq1 ? gg : gi) + ck1 * Bf16ToF32(m1[i]);
+      m0[i] = F32ToBf16(v0);
+      m1[i] = F32ToBf16(v1);
     }
     return;
   }
-  const uint16_t* __restrict in2 = a.in[2];
-  uint16_t* __restrict out2 = a.out[2];
+  uint16_t* __restrict m2 = a.out[2];
   const float d = a.divisor;
   const bool divide = a.divide != 0;
   for (int64_t i = begin; i < end; ++i) {
     const float gi = g[i], gg = gi * gi;
-    const float m0 = ci0 * (sq0 ? gg : gi) + ck0 * Bf16ToF32(in0[i]);
-    const float m1 = ci1 * (sq1 ? gg : gi) + ck1 * Bf16ToF32(in1[i]);
-    const float seen = divide ? m1 / d : m1;
-    const float prev = Bf16ToF32(in2[i]);
-    const float m2 = (prev > seen || prev != prev) ? prev : seen;
-    out0[i] = F32ToBf16(m0);
-    out1[i] = F32ToBf16(m1);
-    out2[i] = F32ToBf16(m2);
+    const float v0 = ci0 * (sq0 ? gg : gi) + ck0 * Bf16ToF32(m0[i]);
+    const float v1 = ci1 * (sq1 ? gg : gi) + ck1 * Bf16ToF32(m1[i]);
+    const float seen = divide ? v1 / d : v1;
+    const float prev = FlushDenormal(Bf16ToF32(m2[i]));
+    const float v2 = (prev > seen || prev != prev) ? prev : seen;
+    m0[i] = F32ToBf16(v0);
+    m1[i] = F32ToBf16(v1);
+    m2[i] = F32ToBf16(v2);
   }
 }
 
@@ -764,7 +783,8 @@ ffi::Error EmaBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffe
                        int64_t has_max, int64_t max_divide, int64_t power0, int64_t power1,
                        int64_t emit_old) {
   const int64_t n_moments = n_ema + has_max;
-  if (n_ema < 1 || n_ema > 2 || has_max < 0 || has_max > 1 || (has_max && n_ema != 2)) {
+  if (n_ema < 1 || n_ema > 2 || has_max < 0 || has_max > 1 || (has_max && n_ema != 2) ||
+      power0 < 1 || power0 > 2 || power1 < 1 || power1 > 2) {
     return ffi::Error::InvalidArgument("ema_bf16: unsupported moment layout");
   }
   if (rest.size() != static_cast<size_t>(n_moments) ||

@@ -80,7 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return int(_load(args._module).run_cli(args) or 0)
+    try:
+        return int(_load(args._module).run_cli(args) or 0)
+    except OSError as e:  # e.g. an output directory that cannot be created: say so, briefly
+        print(f"optax-decoupled {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

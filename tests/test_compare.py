@@ -104,6 +104,8 @@ def test_report_smoke_schema_and_resume(tmp_path):
         assert diag["effective_decay"]["n"] > 0
         assert sum(diag["effective_decay"]["log10_histogram"]) == diag["effective_decay"]["n"]
         assert "norm/decayed" in diag["group_norms"]
+        ratios = np.asarray(list(diag["update_ratios"].values()))
+        assert np.all(np.isfinite(ratios)) and np.all(ratios > 0), diag["update_ratios"]
         assert res["copying"]["steps_budget"] == cfg.copy_steps
         assert len(res["copying"]["steps_to_target"]) == len(cfg.eval_seeds)
     for fig in doc["figures"]:
@@ -126,6 +128,28 @@ def test_report_smoke_schema_and_resume(tmp_path):
     )
     assert marker.stat().st_mtime_ns == before
     assert sum("already done, skipped" in line for line in logs) == 2
+
+
+def test_a_finished_run_at_another_scale_is_not_replaced_silently(tmp_path, capsys):
+    """A results directory holding a finished run at another scale is refused unless forced
+    (it used to be overwritten); the CLI says so in one line, as for an output path it cannot
+    create."""
+    part = tmp_path / "grid"
+    part.mkdir()
+    (part / "results.json").write_text("{}")
+    (part / "complete.json").write_text(json.dumps({"scale": "quick", "wall_time_s": 1.0}))
+    with pytest.raises(report.OutputConflict, match="finished 'quick' run of 'grid'"):
+        report.run_part("grid", "smoke", part, progress=False)
+    assert json.loads((part / "complete.json").read_text())["scale"] == "quick"
+    from optax_decoupled import cli
+
+    argv = ["report", "--scale", "smoke", "--parts", "grid", "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    assert "pass --force" in capsys.readouterr().err
+    not_a_directory = tmp_path / "a_file"
+    not_a_directory.write_text("")
+    assert cli.main(["reddi", "--smoke", "--out", str(not_a_directory / "sub")]) == 2
+    assert "optax-decoupled reddi: error:" in capsys.readouterr().err
 
 
 def test_config_chunk_reaches_every_grid(tmp_path, monkeypatch):

@@ -305,8 +305,13 @@ def run_diagnostics(
         [np.ravel(np.asarray(e)) for e, m in zip(jax.tree.leaves(eff), jax.tree.leaves(decayed),
                                                  strict=True) if m]
     )  # fmt: skip
-    # One more step's update (not applied) for the update/parameter ratios.
-    make_tx = make_tx_factory(spec, cfg.steps, cfg.warmup_steps, cfg.clip_norm)
+    # One more step's update (not applied) for the update/parameter ratios, at the peak
+    # learning rate as the decay above: at the end of the cosine schedule (the state's step
+    # count) the learning rate is exactly 0, and so was every ratio.
+    make_tx = train_lib.scheduled(
+        spec.factory, total_steps=cfg.steps, warmup_steps=0, clip_norm=cfg.clip_norm,
+        end_fraction=1.0, peak_name=spec.peak_name, **dict(spec.fixed),
+    )  # fmt: skip
     batch = task.train_batch(jax.random.key(12345), jnp.asarray(0))
     grads = jax.grad(lambda p: train_lib.loss_fn(p, batch, graphdef=res.graphdef, rest=rest)[0])(
         params
@@ -426,7 +431,14 @@ def protocol_text(doc: dict[str, Any]) -> str:
         f"and weight decay are chosen from its grid × seeds {c['eval_seeds']} (one compiled "
         "program per optimizer) by the lowest final **validation** loss averaged over seeds; "
         "the chosen cell's runs are then scored once on the **test** split, which played no "
-        "part in the choice (mean ± std over seeds). Lion's grid is "
+        "part in the choice (mean ± std over seeds). "
+        + (
+            f"At this scale the learning-rate grid has one value ({c['lrs'][0]:g}), so only "
+            "the weight decay is chosen. "
+            if len(c["lrs"]) == 1
+            else ""
+        )
+        + "Lion's grid is "
         f"AdamW's learning rates × {c['lion_lr_factor']} and weight decays × "
         f"{c['lion_wd_factor']} (Chen et al. 2023). Weight-decay grids differ per convention "
         "since one unit means a different decay per step. Optimisation speed: selective copying "

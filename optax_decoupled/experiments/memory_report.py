@@ -302,7 +302,9 @@ def memory_7b(
 
 @dataclasses.dataclass(frozen=True)
 class QualityConfig:
-    """Settings of :func:`quality_comparison` (``quick``: the comparison's CPU size)."""
+    """Settings of :func:`quality_comparison`. The defaults are a larger CPU configuration
+    than the report's ``quick`` preset (:meth:`preset`), which is what the report, the
+    notebook and docs/memory.md show."""
 
     d_model: int = 32
     n_layers: int = 2

@@ -181,6 +181,11 @@ RUNNERS: dict[str, tuple[Callable[..., dict], Callable[[dict, str], str]]] = {
 }
 
 
+class OutputConflict(ValueError):
+    """The output directory holds a finished run at another scale (replacing it needs
+    ``force``)."""
+
+
 def run_part(
     part: str,
     scale: str,
@@ -191,7 +196,8 @@ def run_part(
     config_chunk: int | str | None = "auto",
 ) -> tuple[dict[str, Any], float, bool]:
     """Runs one part into ``directory`` unless its completion marker says it is done at this
-    scale. Returns ``(results, wall time in seconds, skipped)``. ``config_chunk`` goes to the
+    scale (a finished run at another scale raises :class:`OutputConflict` unless ``force``).
+    Returns ``(results, wall time in seconds, skipped)``. ``config_chunk`` goes to the
     parts that train grids (:data:`GRID_PARTS`)."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -200,6 +206,11 @@ def run_part(
         done = json.loads(marker.read_text())
         if done.get("scale") == scale:
             return json.loads(results.read_text()), float(done["wall_time_s"]), True
+        raise OutputConflict(
+            f"{directory} holds a finished {done.get('scale')!r} run of {part!r}; pass --force "
+            f"(force=True) to replace it with a {scale!r} run, or choose another output "
+            "directory."
+        )
     marker.unlink(missing_ok=True)
     t0 = time.perf_counter()
     options = {"config_chunk": config_chunk} if part in GRID_PARTS else {}
@@ -351,10 +362,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run_cli(args: argparse.Namespace) -> int:
     scale = "smoke" if os.environ.get("OPTAX_DECOUPLED_SMOKE") == "1" else args.scale
-    path = run_report(
-        args.out, scale=scale, parts=tuple(args.parts), force=args.force,
-        progress=not args.no_progress, config_chunk=args.config_chunk,
-    )  # fmt: skip
+    try:
+        path = run_report(
+            args.out, scale=scale, parts=tuple(args.parts), force=args.force,
+            progress=not args.no_progress, config_chunk=args.config_chunk,
+        )  # fmt: skip
+    except OutputConflict as e:
+        print(f"optax-decoupled report: error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {path}")
     return 0
 

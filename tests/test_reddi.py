@@ -314,6 +314,28 @@ def test_smoke_config(monkeypatch):
     assert default.phase_grid >= 24
 
 
+def test_scale_option_and_its_conflicts(monkeypatch, capsys):
+    """`--scale` takes the report's sizes (`--smoke` is `--scale smoke`); with a size option
+    as well it is an error, not a silent override. OPTAX_DECOUPLED_SMOKE=1 (CI) still runs
+    the smoke size, and says what it ignores."""
+    monkeypatch.delenv("OPTAX_DECOUPLED_SMOKE", raising=False)
+    parser = reddi.add_arguments(__import__("argparse").ArgumentParser())
+    for scale in ("smoke", "quick", "full"):
+        args = parser.parse_args(["--scale", scale])
+        assert reddi.config_from_args(args) == reddi.Config.preset(scale)
+    assert reddi.config_from_args(parser.parse_args(["--smoke"])) == reddi.Config.smoke()
+    assert reddi.Config.preset("full").steps == 10_000_000
+    for argv in (["--smoke", "--optimizers", "foo"], ["--scale", "quick", "--seeds", "5"]):
+        with pytest.raises(ValueError, match="sets every size; drop --"):
+            reddi.config_from_args(parser.parse_args(argv))
+        assert reddi.main([*argv, "--no-fast-loops"]) == 2
+        assert "sets every size" in capsys.readouterr().err
+    monkeypatch.setenv("OPTAX_DECOUPLED_SMOKE", "1")
+    config = reddi.config_from_args(parser.parse_args(["--seeds", "5"]))
+    assert config == reddi.Config.smoke()
+    assert "ignoring --seeds" in capsys.readouterr().err
+
+
 def test_enable_fast_cpu_loops_is_a_no_op_once_jax_runs(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "")
     reddi.gradient_sequence(THEOREM1, 3)  # a backend is running now

@@ -798,6 +798,18 @@ class Config:
         """A seconds-sized configuration for CI (``OPTAX_DECOUPLED_SMOKE=1``)."""
         return cls(steps=3_000, seeds=2, phase_steps=1_000, phase_grid=6, eps_steps=1_000)
 
+    @classmethod
+    def preset(cls, scale: str) -> Config:
+        """The report's sizes: ``"smoke"`` (:meth:`smoke`), ``"quick"`` (the defaults, about
+        10 s on 2 CPU cores) or ``"full"`` (10⁷ steps, a 48×48 phase diagram, 8 seeds)."""
+        if scale == "smoke":
+            return cls.smoke()
+        if scale == "quick":
+            return cls()
+        if scale == "full":
+            return cls(steps=10_000_000, phase_steps=1_000_000, phase_grid=48, seeds=8)
+        raise ValueError(f"scale must be 'smoke', 'quick' or 'full', got {scale!r}.")
+
 
 def smoke_requested() -> bool:
     """True if the environment variable ``OPTAX_DECOUPLED_SMOKE`` is 1, true or yes."""
@@ -1072,9 +1084,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=f"comma-separated subset of {','.join(OPTIMIZERS)} for the comparisons (default all)",
     )
     parser.add_argument(
+        "--scale",
+        choices=("smoke", "quick", "full"),
+        default=None,
+        help="the report's sizes instead of the options above: smoke (seconds), quick (the "
+        "defaults) or full (10⁷ steps, 48×48 phase diagram, 8 seeds)",
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
-        help="seconds-sized run for a quick check (also OPTAX_DECOUPLED_SMOKE=1)",
+        help="seconds-sized run for a quick check, --scale smoke (also OPTAX_DECOUPLED_SMOKE=1)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -1085,10 +1104,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+#: The options that set sizes (``--scale`` and ``--smoke`` set them all), with their defaults.
+_SIZE_OPTIONS = {
+    "steps": Config().steps,
+    "seeds": Config().seeds,
+    "phase_steps": None,
+    "phase_grid": Config().phase_grid,
+    "eps_steps": None,
+    "optimizers": None,
+}
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
-    """The :class:`Config` for parsed arguments (``--smoke`` or the environment win)."""
-    if getattr(args, "smoke", False) or smoke_requested():
+    """The :class:`Config` for parsed arguments: ``--scale`` (``--smoke`` is ``--scale
+    smoke``) or the size options, not both; ``OPTAX_DECOUPLED_SMOKE=1`` (CI) runs the smoke
+    size whatever they say, with a note on stderr."""
+    scale = "smoke" if getattr(args, "smoke", False) else getattr(args, "scale", None)
+    explicit = [
+        "--" + name.replace("_", "-")
+        for name, default in _SIZE_OPTIONS.items()
+        if getattr(args, name, default) != default
+    ]
+    if smoke_requested():
+        if explicit or scale not in (None, "smoke"):
+            print(
+                "optax-decoupled reddi: OPTAX_DECOUPLED_SMOKE=1: running the smoke size "
+                f"(ignoring {', '.join(explicit) or '--scale ' + str(scale)})",
+                file=sys.stderr,
+            )
         return Config.smoke()
+    if scale is not None:
+        if explicit:
+            raise ValueError(
+                f"--scale {scale} (or --smoke) sets every size; drop {', '.join(explicit)} "
+                "or the scale."
+            )
+        return Config.preset(scale)
     optimizers = OPTIMIZERS
     if getattr(args, "optimizers", None):
         optimizers = tuple(o.strip() for o in args.optimizers.split(",") if o.strip())

@@ -101,9 +101,7 @@ def _figure_links(doc: dict[str, Any], rel: str) -> str:
 def _run_reddi(scale: str, out: pathlib.Path, progress: bool) -> dict[str, Any]:
     from optax_decoupled.experiments import reddi
 
-    config = reddi.Config.smoke() if scale == "smoke" else reddi.Config()
-    if scale == "full":
-        config = reddi.Config(steps=10_000_000, phase_steps=1_000_000, phase_grid=48, seeds=8)
+    config = reddi.Config.preset(scale)
     return reddi.run_experiment(config, str(out), progress=progress)
 
 
@@ -362,6 +360,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run_cli(args: argparse.Namespace) -> int:
     scale = "smoke" if os.environ.get("OPTAX_DECOUPLED_SMOKE") == "1" else args.scale
+    if scale != args.scale:
+        print(
+            f"optax-decoupled report: OPTAX_DECOUPLED_SMOKE=1: running the smoke scale "
+            f"(ignoring --scale {args.scale})",
+            file=sys.stderr,
+        )
     try:
         path = run_report(
             args.out, scale=scale, parts=tuple(args.parts), force=args.force,

@@ -29,11 +29,20 @@ def concrete_number(value: Any) -> float | None:
     return None
 
 
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is a Python or NumPy integer (a bool is not)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _is_schedule(value: Any) -> bool:
+    return callable(value) and not isinstance(value, jax.Array)
+
+
 def concrete_values(name: str, value: Any) -> np.ndarray | None:
     """``value``'s elements as a float64 array if it is concrete (a number, or a NumPy or
     untraced JAX array); ``None`` for traced values and schedules. Raises ``ValueError`` for
     values that are none of these (a bool, a string, a non-numeric array)."""
-    if callable(value) and not isinstance(value, jax.Array):
+    if _is_schedule(value):
         return None
     if isinstance(value, bool):
         raise ValueError(
@@ -77,7 +86,7 @@ def check_positive(name: str, value: Any) -> None:
 
 def check_not_schedule(name: str, value: Any) -> None:
     """Raises ``ValueError`` for a schedule where only numbers and arrays are accepted."""
-    if callable(value) and not isinstance(value, jax.Array):
+    if _is_schedule(value):
         raise ValueError(
             f"`{name}` must be a number or an array, not a schedule; only the learning rate "
             "and the weight decay take schedules (optax.inject_hyperparams changes the others "

@@ -404,22 +404,25 @@ def dispatch(
     kernel: Any,
     cpu_other: Any,
     other: Any,
-    out_like: Any,
+    return_old: bool,
 ) -> Any:
     """How the storages run a moment update that a kernel :func:`applies` to:
-    ``kernel(update, stored, g)`` in programs compiled for one CPU device,
-    ``cpu_other(update, stored, operands)`` in other CPU programs (sharded, or for
-    ``jax.export``; see :func:`single_device_or`) and ``other(update, stored, operands)`` on
-    other platforms (:func:`jax.lax.platform_dependent`). All return pytrees shaped like
-    ``out_like``. ``update``'s traced coefficients (e.g. from ``optax.inject_hyperparams``)
-    are passed as arguments: the branches are lowered apart from the surrounding trace."""
+    ``kernel(update, stored, g, emit_old=return_old)`` (:func:`requantize_ema` or
+    :func:`ema_bf16`) in programs compiled for one CPU device, ``cpu_other(update, stored,
+    operands)`` in other CPU programs (sharded, or for ``jax.export``; see
+    :func:`single_device_or`) and ``other(update, stored, operands)`` on other platforms
+    (:func:`jax.lax.platform_dependent`). All return the new moments shaped like ``stored``,
+    with ``return_old`` as ``(new, old)``. ``update``'s traced coefficients (e.g. from
+    ``optax.inject_hyperparams``) are passed as arguments: the branches are lowered apart
+    from the surrounding trace."""
     n_stored, n_in = len(stored), len(stored) + len(operands)
     dynamic, rebuild = update.split_dynamic()
+    out_like = (stored, stored) if return_old else stored
 
     def branch(fn):
         return lambda *args: fn(rebuild(args[n_in:]), args[:n_stored], args[n_stored:n_in])
 
-    single = branch(lambda u, s, ops: kernel(u, s, ops[0]))
+    single = branch(lambda u, s, ops: kernel(u, s, ops[0], emit_old=return_old))
 
     def on_cpu(*args):
         return single_device_or(single, branch(cpu_other), *args, out_like=out_like)

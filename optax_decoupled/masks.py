@@ -176,12 +176,7 @@ def _match_tree(mask_tree: Any, params: Any, argument: str) -> Any:
     ignored, as Optax ignores them."""
     p_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     m_leaves, m_treedef = jax.tree_util.tree_flatten_with_path(mask_tree)
-    if (
-        m_treedef.num_nodes == 1
-        and m_leaves
-        and p_leaves != []
-        and (len(p_leaves) > 1 or p_leaves[0][0] != ())
-    ):
+    if m_treedef.num_nodes == m_treedef.num_leaves == 1 and treedef.num_nodes > 1 and p_leaves:
         raise ValueError(
             f"`{argument}` must be 'auto', None, a decay_mask(...), a pytree of bools with "
             f"the parameters' structure or a callable returning one; got the single value "

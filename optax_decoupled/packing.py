@@ -247,12 +247,9 @@ MAX_LEAF_SIZE = 2**16
 
 
 def _check_options(align: Any, max_leaf_size: Any) -> None:
-    if isinstance(align, bool) or not (isinstance(align, int) and align >= 1):
+    if not (V.is_int(align) and align >= 1):
         raise ValueError(f"`align` must be a positive int, got {align!r}.")
-    if max_leaf_size is not None and (
-        isinstance(max_leaf_size, bool)
-        or not (isinstance(max_leaf_size, int) and max_leaf_size >= 0)
-    ):
+    if max_leaf_size is not None and not (V.is_int(max_leaf_size) and max_leaf_size >= 0):
         raise ValueError(f"`max_leaf_size` must be None or an int >= 0, got {max_leaf_size!r}.")
 
 

@@ -78,6 +78,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_decoupled import _validation as V
+
 #: Default block size (bitsandbytes' optimizers use 256 for 8-bit block-wise state; the
 #: paper's experiments use 2048).
 DEFAULT_BLOCK_SIZE = 256
@@ -286,11 +288,7 @@ def num_blocks(size: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
 
 
 def _check_block_size(block_size: int) -> None:
-    if (
-        isinstance(block_size, bool)
-        or not isinstance(block_size, int | np.integer)
-        or block_size < 1
-    ):
+    if not V.is_int(block_size) or block_size < 1:
         raise ValueError(f"`block_size` must be a positive int, got {block_size!r}.")
 
 
@@ -507,17 +505,16 @@ def requantize(
                 return lambda u, qs, ops: compute(u, *qs, *ops)
             return lambda u, qs, ops: (compute(u, *qs, *ops), tuple(qs))
 
-        like = tuple(stored)
         # The kernel cannot be partitioned: programs for several devices keep the loop. The
         # results are shaped like the stored moments (no need to trace the loop).
         return cpu_kernel.dispatch(
             fn,
             tuple(stored),
             tuple(operands),
-            kernel=lambda u, qs, g: cpu_kernel.requantize_ema(u, qs, g, emit_old=return_old),
+            kernel=cpu_kernel.requantize_ema,
             cpu_other=with_old(chunked_with),
             other=with_old(whole_with),
-            out_like=(like, like) if return_old else like,
+            return_old=return_old,
         )
 
     if full <= chunk:

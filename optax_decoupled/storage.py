@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_decoupled import _validation as V
 from optax_decoupled import quantization as quant_lib
 
 StateDtype = Any  # None | str | jnp dtype
@@ -238,15 +239,14 @@ class FloatStorage:
         def xla(u, ms, ops):
             return plain(u, ms, ops, return_old=return_old)
 
-        like = tuple(stored)
         return cpu_kernel.dispatch(
             fn,
             tuple(stored),
             tuple(operands),
-            kernel=lambda u, ms, g: cpu_kernel.ema_bf16(u, ms, g, emit_old=return_old),
+            kernel=cpu_kernel.ema_bf16,
             cpu_other=xla,
             other=xla,
-            out_like=(like, like) if return_old else like,
+            return_old=return_old,
         )
 
 
@@ -272,11 +272,7 @@ class BlockwiseInt8Storage:
 
     def __post_init__(self):
         quant_lib._check_block_size(self.block_size)
-        if (
-            isinstance(self.min_size, bool)
-            or not isinstance(self.min_size, int | np.integer)
-            or self.min_size < 0
-        ):
+        if not V.is_int(self.min_size) or self.min_size < 0:
             raise ValueError(f"`min_size` must be a non-negative int, got {self.min_size!r}.")
         if not isinstance(self.cpu_kernel, bool):
             raise ValueError(f"`cpu_kernel` must be True or False, got {self.cpu_kernel!r}.")

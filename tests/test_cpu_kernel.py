@@ -161,10 +161,11 @@ def _near_every_decision_point(signed, ulps=4096):
 
 @needs_kernel
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_encoder_equals_the_table_lookup_near_every_decision_point(signed):
+def test_encoder_equals_the_table_lookup_near_every_decision_point(signed, kernel_path):
     """Blocks whose absmax is 1 (one element is 1.0), so that x / absmax = x exactly and the
     codes are those of the normalized values; compared with XLA's table lookup
-    (`quantize_blocks`) and with the NumPy one."""
+    (`quantize_blocks`) and with the NumPy one. Every encoder: the AVX-512 one (an explicit
+    gather) and the portable loop."""
     values = _near_every_decision_point(signed)
     block = 256
     per_block = block - 1

@@ -129,6 +129,17 @@ def test_report_smoke_schema_and_resume(tmp_path):
     assert marker.stat().st_mtime_ns == before
     assert sum("already done, skipped" in line for line in logs) == 2
 
+    # One part asked for (twice): it runs once, and the report keeps the other finished part.
+    logs.clear()
+    path = report.run_report(
+        tmp_path, scale="smoke", parts=("grid", "grid"), progress=False, log=logs.append
+    )
+    assert sum("already done, skipped" in line for line in logs) == 1
+    assert any("compare: finished by an earlier run, included" in line for line in logs)
+    text = path.read_text()
+    assert text.index("## Coupled L2 vs AdamW") < text.index("## Learning rate × weight decay")
+    assert "| compare |" in text and "| grid |" in text and "| reddi |" not in text
+
 
 def test_a_finished_run_at_another_scale_is_not_replaced_silently(tmp_path, capsys):
     """A results directory holding a finished run at another scale is refused unless forced

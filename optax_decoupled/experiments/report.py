@@ -200,8 +200,8 @@ def run_part(
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     marker, results = directory / "complete.json", directory / "results.json"
-    if not force and marker.exists() and results.exists():
-        done = json.loads(marker.read_text())
+    done = None if force else _finished(directory)
+    if done is not None:
         if done.get("scale") == scale:
             return json.loads(results.read_text()), float(done["wall_time_s"]), True
         raise OutputConflict(
@@ -220,6 +220,15 @@ def run_part(
     return doc, wall, False
 
 
+def _finished(directory: pathlib.Path) -> dict[str, Any] | None:
+    """The completion marker of the part run in ``directory`` (with its ``scale`` and
+    ``wall_time_s``), or ``None`` if no finished run is there."""
+    marker, results = directory / "complete.json", directory / "results.json"
+    if marker.exists() and results.exists():
+        return json.loads(marker.read_text())
+    return None
+
+
 def run_report(
     out: str | os.PathLike = "results",
     *,
@@ -230,7 +239,13 @@ def run_report(
     config_chunk: int | str | None = "auto",
     log: Callable[[str], None] = print,
 ) -> pathlib.Path:
-    """Runs ``parts`` at ``scale`` into ``out`` and writes ``out/report.md``; returns its path."""
+    """Runs ``parts`` at ``scale`` into ``out`` and writes ``out/report.md``; returns its path.
+
+    The report has a section for every part finished at ``scale`` in ``out``: those of
+    ``parts`` (run now, or resumed) and those an earlier invocation finished there, so that
+    running the parts one at a time (``--parts grid``, then ``--parts memory``) builds up one
+    report. A part named twice runs once."""
+    parts = tuple(dict.fromkeys(parts))
     if scale not in SCALES:
         raise ValueError(f"`scale` must be one of {SCALES}, got {scale!r}.")
     unknown = [p for p in parts if p not in RUNNERS]
@@ -241,16 +256,24 @@ def run_report(
     xla_setup.configure_cpu()  # before any JAX work: fast loops, a CPU device per core
     from optax_decoupled import cpu_kernel
 
-    sections, walls = [], {}
+    docs, walls = {}, {}
     t0, kernel_calls0 = time.perf_counter(), cpu_kernel.calls_compiled()
     for part in parts:
         log(f"[report] {part} ({scale}) ...")
         doc, wall, skipped = run_part(
             part, scale, out / part, force=force, progress=progress, config_chunk=config_chunk
         )
-        walls[part] = (wall, skipped)
+        docs[part], walls[part] = doc, (wall, skipped)
         log(f"[report] {part}: {'already done, skipped' if skipped else f'{wall:.1f} s'}")
-        sections.append(RUNNERS[part][1](doc, part))
+    for part in PARTS:  # parts not asked for that an earlier invocation finished here
+        done = None if part in docs else _finished(out / part)
+        if done is not None and done.get("scale") == scale:
+            docs[part] = json.loads((out / part / "results.json").read_text())
+            walls[part] = (float(done["wall_time_s"]), True)
+            log(f"[report] {part}: finished by an earlier run, included")
+    ordered = [p for p in PARTS if p in docs]
+    sections = [RUNNERS[p][1](docs[p], p) for p in ordered]
+    walls = {p: walls[p] for p in ordered}
     env = environment()
     # Kernel calls compiled into this invocation's programs (0: its 8-bit and bfloat16 runs
     # took XLA's programs, e.g. inside shard_map over several CPU devices).

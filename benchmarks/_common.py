@@ -245,8 +245,16 @@ def machine_info() -> dict[str, Any]:
     }
     try:
         with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if "model name" in line]
-        info["cpu"] = names[0] if names else None
+            fields: dict[str, str] = {}
+            for line in f:
+                if not line.strip():
+                    break  # the first processor is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+        info["cpu"] = fields.get("model name")
+        if "cpu family" in fields and "model" in fields:
+            # A VM may name only the vendor; family and model tell the microarchitecture.
+            info["cpu"] = f"{info['cpu']} (family {fields['cpu family']}, model {fields['model']})"
     except OSError:
         pass
     return info

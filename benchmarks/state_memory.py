@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 import jax
@@ -44,6 +45,10 @@ import optax
 import optax_decoupled as od
 from optax_decoupled import cpu_kernel, memory
 from optax_decoupled.storage import BlockwiseInt8Storage, FloatStorage
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
 
 STATE_DTYPES = ("float32", "bfloat16", "bfloat16-xla", "int8", "int8-loop")
 #: Environment variables that tune glibc's or jemalloc's allocator (recorded with the results).
@@ -159,6 +164,7 @@ def main(argv=None) -> list[dict]:
         shapes.append((max(1, round(n / 1024)), 1024))
         if args.ragged:
             shapes.append((max(1, round(n / 1000)), 1000))
+    load_at_start = C.load_average()
     results = []
     for shape in shapes:
         results.append(bench_size(shape, args.repeats, args.rotation))
@@ -168,6 +174,9 @@ def main(argv=None) -> list[dict]:
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
         "cpu_count": os.cpu_count(),
+        # The kernels' speed depends on the CPU model, not only its features (docs/memory.md).
+        "cpu": C.machine_info().get("cpu"),
+        "load_average_at_start": load_at_start,
         "python": platform.python_version(),
         "repeats": args.repeats,
         "rotation": args.rotation,
@@ -179,6 +188,7 @@ def main(argv=None) -> list[dict]:
     }
     print()
     print(f"jax {env['jax']} on {env['backend']} ({env['device']}, {env['cpu_count']} CPUs)")
+    print(f"CPU: {env['cpu']}; load average at the start: {env['load_average_at_start']}")
     kernel = "built" if env["cpu_kernel"] else f"not available: {cpu_kernel.unavailable_reason()}"
     if env["cpu_kernel_avx512_vbmi"]:
         kernel += " (AVX-512 VBMI decode)"

@@ -254,7 +254,8 @@ def machine_info() -> dict[str, Any]:
         info["cpu"] = fields.get("model name")
         if "cpu family" in fields and "model" in fields:
             # A VM may name only the vendor; family and model tell the microarchitecture.
-            info["cpu"] = f"{info['cpu']} (family {fields['cpu family']}, model {fields['model']})"
+            family = f"family {fields['cpu family']}, model {fields['model']}"
+            info["cpu"] = f"{info['cpu']} ({family})" if info["cpu"] else family
     except OSError:
         pass
     return info

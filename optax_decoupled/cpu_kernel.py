@@ -38,10 +38,11 @@ It is chosen as the 8-bit kernel is (:func:`applies_bf16`, :func:`single_device_
 If the extension was not built (no C++ compiler at install time) or cannot be loaded,
 :func:`available` is ``False``, 8-bit storage uses XLA's chunk loop and bfloat16 storage
 XLA's own program (the same results up to float32 rounding; 8-bit AdamW steps measured
-about 2-4x slower, bfloat16 ones about 1.5x, ``docs/memory.md``): the first such update traced
-with the CPU as the default backend says so with a :class:`RuntimeWarning` that gives
-:func:`unavailable_reason`. ``cpu_kernel=False`` on the storage chooses XLA's program
-explicitly (no warning). GPUs and TPUs never use the kernels.
+about 1.5-4x slower, bfloat16 ones up to about 1.5x, depending on the CPU,
+``docs/memory.md``): the first such update traced with the CPU as the default backend says
+so with a :class:`RuntimeWarning` that gives :func:`unavailable_reason`.
+``cpu_kernel=False`` on the storage chooses XLA's program explicitly (no warning). GPUs and
+TPUs never use the kernels.
 """
 
 from __future__ import annotations
@@ -76,9 +77,10 @@ _HEADER = 8
 _load_error: str | None = None
 _lib: ctypes.CDLL | None = None
 
-#: Which decode 8-bit kernel calls traced from now on may use (for tests: all give the same
-#: values): ``"best"``, what the kernel picks at run time (AVX-512 VBMI byte permutes, else
-#: AVX-512F register permutes, else the portable loops); ``"avx512f"``, no VBMI; or
+#: Which decode and encoder 8-bit kernel calls traced from now on may use (for tests: all
+#: give the same values): ``"best"``, what the kernel picks at run time (AVX-512 VBMI byte
+#: permutes, else AVX-512F register permutes, else the portable loops; the AVX-512 encoder,
+#: an explicit gather, with either AVX-512 decode); ``"avx512f"``, no VBMI; or
 #: ``"portable"``, the compiler-vectorized loops only.
 DECODE = "best"
 _DECODE_LIMITS = {"best": 0, "avx512f": 1, "portable": 2}
@@ -135,9 +137,10 @@ def calls_compiled() -> int:
 
 
 def uses_avx512() -> bool:
-    """Whether the kernel decodes the stored codes with AVX-512 register permutes on this
-    CPU (an x86-64 CPU with AVX-512F; elsewhere the compiler-vectorized loops, with the same
-    values). ``False`` when the kernel is not available."""
+    """Whether the kernel decodes the stored codes with AVX-512 register permutes and
+    encodes the new ones with AVX-512 gathers on this CPU (an x86-64 CPU with AVX-512F;
+    elsewhere the compiler-vectorized loops, with the same values). ``False`` when the
+    kernel is not available."""
     if not _register():
         return False
     return bool(_lib.OdUsesAvx512())
@@ -261,7 +264,7 @@ def _warn_unavailable() -> None:
     warnings.warn(
         f"optax_decoupled: the compiled CPU kernel for 8-bit and bfloat16 optimizer state is "
         f"unavailable ({unavailable_reason()}); their updates use XLA's own programs, with the "
-        "same results but slower steps (about 2-4x for 8-bit, 1.5x for bfloat16 state). "
+        "same results but slower steps (about 1.5-4x for 8-bit, up to 1.5x for bfloat16 state). "
         "Reinstall with a C++ compiler present to build it, or pass "
         "state_dtype=optax_decoupled.BlockwiseInt8Storage(cpu_kernel=False) (or "
         "FloatStorage(jnp.bfloat16, 'bfloat16', cpu_kernel=False)) to choose XLA's program.",

@@ -163,6 +163,40 @@ def test_a_finished_run_at_another_scale_is_not_replaced_silently(tmp_path, caps
     assert "optax-decoupled reddi: error:" in capsys.readouterr().err
 
 
+def test_report_includes_the_parts_finished_earlier(tmp_path, monkeypatch):
+    """``report.md`` has a section for every part finished at the scale in the directory, in
+    the usual order, those of earlier invocations marked in the wall-time table; a part
+    finished at another scale is left out, and one whose results cannot be read is named in
+    the log instead of failing the report. (Stand-in parts: no training.)"""
+
+    def runner(scale, directory, progress, **options):
+        return {"value": directory.name}
+
+    fake = {p: (runner, lambda doc, p: f"## part {p}: {doc['value']}\n") for p in report.PARTS}
+    monkeypatch.setattr(report, "RUNNERS", fake)
+    report.run_report(tmp_path, scale="smoke", parts=("reddi", "compare"), progress=False)
+    (tmp_path / "grid").mkdir()
+    (tmp_path / "grid" / "results.json").write_text(json.dumps({"value": "grid"}))
+    (tmp_path / "grid" / "complete.json").write_text(
+        json.dumps({"scale": "quick", "wall_time_s": 1.0})
+    )
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "results.json").write_text("{")
+    (tmp_path / "memory" / "complete.json").write_text(
+        json.dumps({"scale": "smoke", "wall_time_s": 1.0})
+    )
+    logs = []
+    path = report.run_report(
+        tmp_path, scale="smoke", parts=("compare",), progress=False, log=logs.append
+    )
+    text = path.read_text()
+    assert text.index("## part reddi: reddi") < text.index("## part compare: compare")
+    assert "## part grid" not in text and "## part memory" not in text
+    assert "| reddi |" in text and "(from an earlier run)" in text.split("| reddi |")[1][:40]
+    assert any("reddi: finished by an earlier run, included" in line for line in logs)
+    assert any("memory: an earlier run's results could not be included" in line for line in logs)
+
+
 def test_config_chunk_reaches_every_grid(tmp_path, monkeypatch):
     """``--config-chunk`` (``run_part(..., config_chunk=)``) is what every grid of the
     comparison (selection and copying) and of the lr × wd part trains with. The trainer is

@@ -38,10 +38,11 @@ def _on_the_cpu():
 
 @pytest.fixture(params=["best", "avx512f", "portable"])
 def kernel_path(request, monkeypatch):
-    """The kernel's decodes: what it picks on this CPU (the AVX-512 VBMI byte permutes where the
-    CPU has them, else the AVX-512F register permutes, see
-    `test_avx512_is_used_where_the_cpu_has_it`), at most the AVX-512F permutes, and the
-    portable loops. Where the CPU lacks an instruction set, its case runs the next one down."""
+    """The kernel's decodes and encoders: what it picks on this CPU (the AVX-512 VBMI byte
+    permutes where the CPU has them, else the AVX-512F register permutes, see
+    `test_avx512_is_used_where_the_cpu_has_it`; the AVX-512 encoder with both), at most the
+    AVX-512F permutes, and the portable loops. Where the CPU lacks an instruction set, its
+    case runs the next one down."""
     monkeypatch.setattr(cpu_kernel, "DECODE", request.param)
     return request.param
 
@@ -145,8 +146,9 @@ def _assert_equal_to_numpy(got, want):
 
 
 def _near_every_decision_point(signed, ulps=4096):
-    """Every float32 within `ulps` ulps of every decision point of the map, both signs
-    (signed map), plus 0, -0, 1, -1, the smallest values and NaN."""
+    """Every float32 within `ulps` ulps of every decision point of the map, both signs, plus
+    0, -0, 1, -1, the smallest values and NaN (the unsigned map clips negative values to 0:
+    code 0, also for -0.0, which the AVX-512 encoder keeps negative)."""
     t = Q._tables(signed)
     points = np.unique(t.threshold[np.isfinite(t.threshold)])
     bits = points.view(np.int32)[:, None] + np.arange(-ulps, ulps + 1, dtype=np.int32)[None]
@@ -154,9 +156,7 @@ def _near_every_decision_point(signed, ulps=4096):
     values = values[(values >= 0) & (values <= 1)]
     extra = np.array([0.0, 1.0, 1e-45, 1e-38, 1e-7, np.nan], np.float32)
     values = np.concatenate([values, extra])
-    if signed:
-        values = np.concatenate([values, -values, [-0.0]]).astype(np.float32)
-    return values
+    return np.concatenate([values, -values, [-0.0]]).astype(np.float32)
 
 
 @needs_kernel

@@ -462,8 +462,8 @@ OD_AVX512 void EncodeBlockAvx512(const float* x, float factor, float scale, floa
     const __mmask16 above =
         _mm512_cmpgt_epi32_mask(_mm512_and_si512(mag, low_mask), _mm512_srai_epi32(entry, 8));
     // Above the decision point the code moves one step away from zero. The code is the
-    // entry's low byte, which the truncation to bytes keeps (a step never crosses a byte:
-    // no decision point lies beyond the last code of either side).
+    // entry's low byte: the truncation to bytes gives (code +- 1) mod 256, as EncodeBlock's
+    // cast does.
     const __m512i away = _mm512_mask_blend_epi32(neg, step, minus_step);
     const __m512i code = _mm512_mask_add_epi32(entry, above, entry, away);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));
@@ -661,7 +661,8 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
   const int b = static_cast<int>(block);
   // The decode: the best the CPU has (AVX-512 VBMI byte permutes, AVX-512F register
   // permutes, the portable compiler-vectorized loops), at most `decode_limit` (0: any, 1:
-  // no VBMI, 2: portable only; tests run all three).
+  // no VBMI, 2: portable only; tests run all three). The AVX-512 encoder goes with either
+  // AVX-512 decode.
   auto ema = EmaBlock;
   auto running_max = MaxBlock;
   EncodeFn encode = EncodeBlock;

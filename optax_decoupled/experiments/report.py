@@ -13,7 +13,9 @@ Each part writes ``<out>/<part>/results.json`` and its PNG figures, then a compl
 ``<out>/<part>/complete.json`` (scale, wall time). A report that is interrupted and started
 again skips the parts whose marker matches the scale (``--force`` reruns them), so finished
 work is never lost. ``report.md`` records the package/JAX versions, the device and the wall
-time of every part.
+time of every part, and has a section for every part finished at the scale in ``<out>``,
+including those of earlier invocations (``--parts grid``, then ``--parts memory``, build up
+one report); each part's ``results.json`` keeps the environment it ran in.
 
 ``--config-chunk`` (``compare`` and ``grid``) sets how many configurations of a grid one device
 trains at a time (:class:`~optax_decoupled.experiments.train.TrainConfig`'s ``config_chunk``):
@@ -265,14 +267,21 @@ def run_report(
         )
         docs[part], walls[part] = doc, (wall, skipped)
         log(f"[report] {part}: {'already done, skipped' if skipped else f'{wall:.1f} s'}")
+    sections = {p: RUNNERS[p][1](docs[p], p) for p in docs}
     for part in PARTS:  # parts not asked for that an earlier invocation finished here
         done = None if part in docs else _finished(out / part)
-        if done is not None and done.get("scale") == scale:
-            docs[part] = json.loads((out / part / "results.json").read_text())
+        if done is None or done.get("scale") != scale:
+            continue
+        try:
+            doc = json.loads((out / part / "results.json").read_text())
+            sections[part] = RUNNERS[part][1](doc, part)
             walls[part] = (float(done["wall_time_s"]), True)
-            log(f"[report] {part}: finished by an earlier run, included")
-    ordered = [p for p in PARTS if p in docs]
-    sections = [RUNNERS[p][1](docs[p], p) for p in ordered]
+        except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable or another schema
+            log(f"[report] {part}: an earlier run's results could not be included ({e!r})")
+            continue
+        log(f"[report] {part}: finished by an earlier run, included")
+    ordered = [p for p in PARTS if p in sections]
+    sections = [sections[p] for p in ordered]
     walls = {p: walls[p] for p in ordered}
     env = environment()
     # Kernel calls compiled into this invocation's programs (0: its 8-bit and bfloat16 runs
@@ -295,8 +304,8 @@ def run_report(
         f"{kernels}; "
         f"generated {env['date']}.\n\n"
         "Every number and figure below was measured by this run (or, where marked, by an "
-        "earlier run of the same scale that this one resumed). Machine-readable results: "
-        "`<part>/results.json`.\n\n"
+        "earlier run of the same scale that this one resumed or included; its environment is "
+        "in its `results.json`). Machine-readable results: `<part>/results.json`.\n\n"
         f"| part | wall time |\n|---|---|\n{rows}\n"
         f"| total (this invocation) | {time.perf_counter() - t0:.1f} s |\n"
     )

@@ -58,8 +58,9 @@ variants = {
     "one device, chunk 3": dataclasses.replace(base, shard_configs=False, config_chunk=3),
 }
 out = {"devices": len(jax.devices()), "mesh_size": train_lib.config_mesh(4).size, "variants": {}}
+results = {}
 for name, config in variants.items():
-    res = run(config)
+    res = results[name] = run(config)
     out["variants"][name] = {
         "param_devices": len(jax.tree.leaves(res.params)[0].sharding.device_set),
         "loss_diff": max_diff(
@@ -84,7 +85,7 @@ out["padded"] = {
     "loss_diff": max_diff([r.train_loss for r in padded.runs], [r.train_loss for r in alone.runs]),
 }
 with tempfile.TemporaryDirectory() as tmp:
-    full = run(base)
+    full = results["sharded, chunk auto"]  # run(base), uninterrupted
     run(base, checkpoint_dir=tmp, stop_at=3)
     resumed = run(base, checkpoint_dir=tmp, resume=True)
     out["resume_start"] = resumed.start_step

@@ -430,8 +430,9 @@ using EncodeFn = void (*)(const float*, float, float, float, const int32_t*, int
 // instruction), the rest as it is, operation by operation (the same codes; the tests run
 // both). The compiler decides by its tuning whether to gather: GCC 12 with generic tuning
 // (what -mtune=native gives on CPUs it does not know, e.g. an Intel Xeon of family 6, model
-// 207) emits 16 scalar loads with inserts and extracts per 16 elements instead, 1.39-1.50
-// ns per element on that Xeon against 0.52-0.54 for this (one core, in cache; docs/memory.md).
+// 207) emits 16 scalar loads with inserts and extracts per 16 elements instead: 1.19-1.38 ns
+// per element on that Xeon against 0.43-0.59 for this (one core, in cache;
+// benchmarks/encoder_speed.py, docs/memory.md).
 OD_AVX512 void EncodeBlockAvx512(const float* x, float factor, float scale, float lo,
                                  const int32_t* entries, int32_t shift, int32_t first,
                                  int32_t n, int block, uint8_t* codes) {

@@ -1,0 +1,83 @@
+"""The 8-bit kernel's encoders timed side by side: the portable loop against the AVX-512 one.
+
+Compiles ``benchmarks/encoder_speed.cc`` (which includes the kernel's source,
+``optax_decoupled/csrc/requantize_cpu.cc``) with the flags ``setup.py`` builds the kernel
+with, runs it on both maps, and prints nanoseconds per element for each encoder (one core,
+256 KiB of gradient-like inputs in blocks of 256, best of ``--repeats`` passes, the encoders
+in turns) and whether their codes agree. The portable loop is what the compiler makes of it
+with ``-mtune=native`` on this CPU: where GCC does not know the CPU (e.g. an Intel Xeon of
+family 6, model 207, with GCC 12), generic tuning, which writes the table lookup as scalar
+loads (docs/memory.md).
+
+    python benchmarks/encoder_speed.py [--repeats 300] [--json out.json]
+
+Needs a C++ compiler (``CXX``, default ``g++``) and jax (for the XLA FFI headers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import jax.ffi
+
+from optax_decoupled import cpu_kernel
+
+HERE = pathlib.Path(__file__).parent
+#: setup.py's flags for the kernel (compile flags, then the tuning flag it adds where the
+#: compiler accepts it).
+FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wno-sign-compare", "-fno-math-errno",
+         "-fno-trapping-math", "-ffp-contract=off", "-mtune=native"]  # fmt: skip
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    import _common as C
+
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = pathlib.Path(tmp) / "encoder_speed"
+        cxx = os.environ.get("CXX", "g++")
+        subprocess.run(
+            [cxx, *FLAGS, "-Wno-attributes", f"-I{jax.ffi.include_dir()}",
+             str(HERE / "encoder_speed.cc"), "-o", str(binary)],
+            check=True,
+        )  # fmt: skip
+        results = []
+        for signed in (True, False):
+            table = pathlib.Path(tmp) / f"table_{signed}.bin"
+            cpu_kernel.encoder_table(signed).tofile(table)
+            name = "signed" if signed else "unsigned"
+            out = subprocess.run(
+                [str(binary), str(table), name, str(args.repeats)],
+                check=True, capture_output=True, text=True,
+            )  # fmt: skip
+            results.append(json.loads(out.stdout))
+    env = {"cpu": C.machine_info().get("cpu"), "load_average_at_start": C.load_average(),
+           "compiler": cxx, "flags": FLAGS, "repeats": args.repeats}  # fmt: skip
+    print(f"CPU: {env['cpu']}; {cxx} {' '.join(FLAGS)}")
+    print("| map | portable (ns/element) | AVX-512 (ns/element) | portable/AVX-512 | same codes |")
+    print("|---|---:|---:|---:|---|")
+    for r in results:
+        fast = r.get("avx512_ns")
+        ratio = f"{r['portable_ns'] / fast:.2f}" if fast else "—"
+        fast_text = f"{fast:.3f}" if fast else "— (no AVX-512)"
+        same = r["same_codes"]
+        print(f"| {r['map']} | {r['portable_ns']:.3f} | {fast_text} | {ratio} | {same} |")
+    if args.json:
+        C.write_json(args.json, {"env": env, "results": results})
+    if not all(r["same_codes"] for r in results):
+        raise SystemExit("the encoders gave different codes")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -267,21 +267,21 @@ def run_report(
         )
         docs[part], walls[part] = doc, (wall, skipped)
         log(f"[report] {part}: {'already done, skipped' if skipped else f'{wall:.1f} s'}")
-    sections = {p: RUNNERS[p][1](docs[p], p) for p in docs}
+    rendered = {p: RUNNERS[p][1](docs[p], p) for p in docs}
     for part in PARTS:  # parts not asked for that an earlier invocation finished here
         done = None if part in docs else _finished(out / part)
         if done is None or done.get("scale") != scale:
             continue
         try:
             doc = json.loads((out / part / "results.json").read_text())
-            sections[part] = RUNNERS[part][1](doc, part)
+            rendered[part] = RUNNERS[part][1](doc, part)
             walls[part] = (float(done["wall_time_s"]), True)
         except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable or another schema
             log(f"[report] {part}: an earlier run's results could not be included ({e!r})")
             continue
         log(f"[report] {part}: finished by an earlier run, included")
-    ordered = [p for p in PARTS if p in sections]
-    sections = [sections[p] for p in ordered]
+    ordered = [p for p in PARTS if p in rendered]
+    sections = [rendered[p] for p in ordered]
     walls = {p: walls[p] for p in ordered}
     env = environment()
     # Kernel calls compiled into this invocation's programs (0: its 8-bit and bfloat16 runs

@@ -7,17 +7,19 @@ a C++ compiler the build goes on without it and 8-bit state uses XLA's own progr
 """
 
 import os
+import pathlib
+import runpy
 import tempfile
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-#: Flags that only tune instruction choice and scheduling for the CPU that builds the package
-#: (where pip installs it, as a rule). They change no result and no instruction set: the
-#: kernel's target clones still pick AVX-512, AVX2 or baseline code at run time. On Zen 5,
-#: -mtune=native makes the kernel about 9% faster (docs/memory.md). Kept only where the
-#: compiler accepts them.
-TUNING_FLAGS = ["-mtune=native"]
+#: COMPILE_FLAGS and TUNING_FLAGS (the latter kept only where the compiler accepts them), shared
+#: with benchmarks/encoder_speed.py. Read by path: the package is not importable mid-build.
+_FLAGS = runpy.run_path(
+    str(pathlib.Path(__file__).resolve().parent / "optax_decoupled" / "csrc" / "build_flags.py")
+)
+TUNING_FLAGS = _FLAGS["TUNING_FLAGS"]
 
 
 def _ffi_include_dir():
@@ -33,12 +35,7 @@ def _extensions():
     include = _ffi_include_dir()
     if include is None or os.environ.get("OPTAX_DECOUPLED_NO_KERNEL") == "1":
         return []
-    flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wno-sign-compare"]
-    # Neither changes a result: no errno from libm, no FP exception flags to preserve (they let
-    # std::ceil vectorize).
-    flags += ["-fno-math-errno", "-fno-trapping-math"]
-    # Multiply and add separately, as jnp writes them (a fused multiply-add rounds once).
-    flags.append("-ffp-contract=off")
+    flags = list(_FLAGS["COMPILE_FLAGS"])
     return [
         Extension(
             "optax_decoupled._requantize_cpu",

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import pathlib
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -29,10 +30,10 @@ import jax.ffi
 from optax_decoupled import cpu_kernel
 
 HERE = pathlib.Path(__file__).parent
-#: setup.py's flags for the kernel (compile flags, then the tuning flag it adds where the
-#: compiler accepts it).
-FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wno-sign-compare", "-fno-math-errno",
-         "-fno-trapping-math", "-ffp-contract=off", "-mtune=native"]  # fmt: skip
+_BUILD_FLAGS = runpy.run_path(str(HERE.parent / "optax_decoupled" / "csrc" / "build_flags.py"))
+#: setup.py's flags for the kernel (optax_decoupled/csrc/build_flags.py: the compile flags,
+#: then the tuning flags, which setup.py adds where the compiler accepts them).
+FLAGS = [*_BUILD_FLAGS["COMPILE_FLAGS"], *_BUILD_FLAGS["TUNING_FLAGS"]]
 
 
 def main(argv=None) -> list[dict]:

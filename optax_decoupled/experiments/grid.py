@@ -35,6 +35,7 @@ import numpy as np
 from optax_decoupled.experiments import compare, report
 from optax_decoupled.experiments import tasks as tasks_lib
 from optax_decoupled.experiments import train as train_lib
+from optax_decoupled.experiments.formatting import number
 
 
 def _half_decades(lo_exp: float, n: int) -> tuple[float, ...]:
@@ -165,7 +166,7 @@ def summary_table(doc: dict[str, Any]) -> str:
     """A Markdown table of the separability measures per optimizer."""
 
     def f(v, fmt=".2f"):
-        return "—" if v is None else f"{v:{fmt}}"
+        return "—" if v is None else number(v, fmt)
 
     lines = [
         "| optimizer | runs | best η | best λ | best val. loss | slope log λ* vs log η "

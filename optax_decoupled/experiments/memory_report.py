@@ -32,6 +32,7 @@ import optax_decoupled as od
 from optax_decoupled import memory
 from optax_decoupled import storage as storage_lib
 from optax_decoupled.experiments import report
+from optax_decoupled.experiments.formatting import number
 
 STATE_DTYPES = ("float32", "bfloat16", "int8")
 
@@ -432,7 +433,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None
         if fmt == "bytes":
             return memory.format_bytes(v)
         if fmt and isinstance(v, int | float | np.number):
-            return format(v, fmt)
+            return number(v, fmt)
         return str(v)
 
     out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

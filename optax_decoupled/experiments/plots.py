@@ -26,6 +26,8 @@ import numpy as np
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
+from optax_decoupled.experiments.formatting import number
+
 #: Line style per optimizer name, shared by every figure (Okabe-Ito colour-blind-safe colours).
 OPTIMIZER_STYLE: dict[str, dict[str, Any]] = {
     "adam": {"color": "#D55E00", "ls": "-", "lw": 2.0},
@@ -441,8 +443,9 @@ def grid_figure(doc: dict[str, Any], value: str = "val_loss") -> Figure:
         ax.plot([b["weight_decay"]], [b["learning_rate"]], "r*", ms=12, label="best")
         fig.colorbar(mesh, ax=ax, shrink=0.85)
         slope = res["analysis"]["log_slope"]
-        title = res["label"] + (f"\nslope of log λ* vs log η: {slope:+.2f}" if slope is not None
-                                else "")  # fmt: skip
+        title = res["label"] + (
+            f"\nslope of log λ* vs log η: {number(slope, '+.2f')}" if slope is not None else ""
+        )
         finish_axes(ax, title, "weight decay λ", "peak learning rate η")
     axes[0, 0].legend(fontsize=FONT_SIZE - 2, loc="lower left")
     label = "final validation loss" if value == "val_loss" else "test accuracy"

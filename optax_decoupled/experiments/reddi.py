@@ -80,6 +80,7 @@ import optax
 
 import optax_decoupled as od
 from optax_decoupled.experiments import xla_setup
+from optax_decoupled.experiments.formatting import number
 from optax_decoupled.experiments.xla_setup import FAST_LOOPS_FLAG
 
 #: Optimizer names accepted by :class:`Run` (see the module docstring).
@@ -1002,9 +1003,10 @@ def summary_table(
                 continue
             seed = r["seed"] if comp["problem"]["kind"] == "stochastic" else "-"
             settled = r["settled_at_minus1"] if r["settled_at_minus1"] is not None else "-"
+            x_final, x_tail = number(r["x_final"], "+.4f"), number(r["x_tail_mean"], "+.4f")
             lines.append(
-                f"| {name} | {r['schedule']} | {r['label']} | {seed} | {r['x_final']:+.4f} | "
-                f"{r['x_tail_mean']:+.4f} | {r['avg_regret']:.4g} | {r['ends_at']} | {settled} |"
+                f"| {name} | {r['schedule']} | {r['label']} | {seed} | {x_final} | {x_tail} | "
+                f"{r['avg_regret']:.4g} | {r['ends_at']} | {settled} |"
             )
     return "\n".join(lines)
 

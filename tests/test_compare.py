@@ -42,6 +42,40 @@ def test_analyse_ignores_diverged_cells():
     assert a["best_wd_per_lr"] == [0.1, 1.0]
 
 
+def test_a_learning_rate_whose_runs_all_diverged_has_no_best_weight_decay():
+    """Not the grid's first weight decay (what argmin over a row of infinities gives): no
+    value, left out of the slope, printed as a dash and drawn as a gap."""
+    lrs, wds = [1e-3, 1e-2, 1e-1], [0.01, 0.1, 1.0]
+    loss = np.array([[1.0, 0.9, 1.2], [0.8, 0.7, 0.75], [np.nan, np.inf, np.nan]])
+    a = grid.analyse(loss, lrs, wds)
+    assert a["best_wd_per_lr"] == [0.1, 0.1, None]
+    assert a["log_slope"] == pytest.approx(0.0, abs=1e-12)
+    doc = {"optimizers": {"adamw": {"label": "AdamW", "runs": 9, "analysis": a}}}
+    assert grid.summary_table(doc).splitlines()[2].endswith("| 0.1, 0.1, — |")
+    from optax_decoupled.experiments import plots
+
+    cells = loss[..., None].tolist()  # one seed
+    res = {"label": "AdamW", "learning_rates": lrs, "weight_decays": wds, "analysis": a,
+           "val_loss": cells, "test_accuracy": cells}  # fmt: skip
+    fig = plots.grid_figure({"optimizers": {"adamw": res}})
+    line = fig.axes[0].lines[0]
+    np.testing.assert_array_equal(line.get_xdata(), [0.1, 0.1, np.nan])
+
+
+def test_the_heatmap_blanks_a_cell_where_one_seed_diverged():
+    """As the analysis counts it: not the mean of the seeds that did not diverge."""
+    from optax_decoupled.experiments import plots
+
+    lrs, wds = [1e-3, 1e-2], [0.1, 1.0]
+    val = np.array([[[1.0, 1.2], [0.9, np.nan]], [[0.8, 0.8], [0.7, 0.9]]])  # (lr, wd, seed)
+    a = grid.analyse(val.mean(axis=2), lrs, wds)
+    res = {"label": "AdamW", "learning_rates": lrs, "weight_decays": wds, "analysis": a,
+           "val_loss": val.tolist(), "test_accuracy": val.tolist()}  # fmt: skip
+    mesh = plots.grid_figure({"optimizers": {"adamw": res}}).axes[0].collections[0]
+    shown = np.ma.filled(mesh.get_array().astype(float), np.nan).reshape(2, 2)
+    np.testing.assert_array_equal(shown, [[1.1, np.nan], [0.8, 0.8]])
+
+
 def test_specs_centre_lion_and_scale_decay_by_convention():
     specs = compare.default_specs((1e-3, 1e-2), 3)
     assert specs["lion"].lrs == pytest.approx((2e-4, 2e-3))
@@ -157,6 +191,10 @@ def test_a_finished_run_at_another_scale_is_not_replaced_silently(tmp_path, caps
     argv = ["report", "--scale", "smoke", "--parts", "grid", "--out", str(tmp_path)]
     assert cli.main(argv) == 2
     assert "pass --force" in capsys.readouterr().err
+    # The part's own subcommand neither (its default --out is the report's folder for it).
+    assert cli.main(["grid", "--scale", "smoke", "--out", str(part)]) == 2
+    assert "pass --force" in capsys.readouterr().err
+    assert json.loads((part / "complete.json").read_text())["scale"] == "quick"
     not_a_directory = tmp_path / "a_file"
     not_a_directory.write_text("")
     assert cli.main(["reddi", "--smoke", "--out", str(not_a_directory / "sub")]) == 2
@@ -235,3 +273,43 @@ def test_config_chunk_option_rejects(text, capsys):
     with pytest.raises(SystemExit):
         report.add_arguments(argparse.ArgumentParser()).parse_args(["--config-chunk", text])
     assert "--config-chunk" in capsys.readouterr().err
+
+
+def test_part_subcommands(tmp_path, monkeypatch, capsys):
+    """``optax-decoupled compare|grid|memory``: run the part afresh into ``--out`` (the
+    report's folder by default), replace a finished run at the same scale, refuse one at
+    another scale unless ``--force``, and run the smoke scale under OPTAX_DECOUPLED_SMOKE as
+    the report does. (Stand-in parts: no training.)"""
+    from optax_decoupled import cli
+
+    ran = []
+
+    def runner(scale, directory, progress, **options):
+        ran.append(scale)
+        return {"value": len(ran), "optimizers": {}}  # what grid's summary table reads
+
+    fake = {p: (runner, lambda doc, p: "") for p in report.PARTS}
+    monkeypatch.setattr(report, "RUNNERS", fake)
+    monkeypatch.delenv("OPTAX_DECOUPLED_SMOKE", raising=False)
+    out = tmp_path / "grid"
+    for part in ("compare", "grid", "memory"):
+        assert cli.build_parser(part).parse_args([part]).out == f"results/{part}"
+
+    def main(*argv):
+        return cli.main(["grid", "--out", str(out), "--no-progress", *argv])
+
+    def written():
+        return json.loads((out / "results.json").read_text())
+
+    assert main("--scale", "quick") == 0
+    assert written()["value"] == 1 and written()["scale"] == "quick"
+    assert main("--scale", "quick") == 0  # the same scale: replaced, not skipped
+    assert written()["value"] == 2
+    assert main("--scale", "smoke") == 2  # another scale: refused, nothing run
+    assert "pass --force" in capsys.readouterr().err and len(ran) == 2
+    assert written()["scale"] == "quick"
+    assert main("--scale", "smoke", "--force") == 0
+    assert written()["scale"] == "smoke"
+    monkeypatch.setenv("OPTAX_DECOUPLED_SMOKE", "1")
+    assert main("--scale", "quick", "--force") == 0
+    assert ran[-1] == "smoke" and "ignoring --scale quick" in capsys.readouterr().err

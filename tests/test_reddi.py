@@ -342,3 +342,28 @@ def test_enable_fast_cpu_loops_is_a_no_op_once_jax_runs(monkeypatch):
     assert reddi.enable_fast_cpu_loops() is False
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_extra_options=foo=1")
     assert reddi.enable_fast_cpu_loops() is False
+
+
+def test_fewer_than_ten_steps_average_the_last_step():
+    """The "last 10%" of fewer than ten steps is the last step (it was empty: 0/0)."""
+    runs = [reddi.Run("adam"), reddi.Run("amsgrad_paper")]
+    for steps in (1, 9):
+        res = reddi.simulate(THEOREM1, runs, steps, record=[steps])
+        np.testing.assert_array_equal(res.x_tail_mean, res.x_final)
+    res = reddi.simulate(THEOREM1, runs, 20, record=np.arange(1, 21))
+    np.testing.assert_allclose(res.x_tail_mean, res.x[:, -2:].mean(axis=1), rtol=1e-6)
+
+
+def test_the_report_writes_no_simulation_objects(tmp_path, monkeypatch):
+    """``run_experiment`` hands its simulations back under ``_sim`` for the notebook; the
+    report's results.json (written from what it returns) leaves them out, as the
+    experiment's own JSON does."""
+    from optax_decoupled.experiments import report
+
+    def run_experiment(config, out, progress):
+        return {"comparisons": {}, "_sim": object()}
+
+    monkeypatch.setattr(reddi, "run_experiment", run_experiment)
+    doc, _, _ = report.run_part("reddi", "smoke", tmp_path / "reddi", progress=False)
+    assert "_sim" not in doc
+    assert "_sim" not in json.loads((tmp_path / "reddi" / "results.json").read_text())

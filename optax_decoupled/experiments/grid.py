@@ -89,7 +89,11 @@ class GridConfig:
 def analyse(
     val_loss: np.ndarray, lrs: np.ndarray, wds: np.ndarray, tolerance: float = 0.05
 ) -> dict[str, Any]:
-    """Separability measures of a mean validation-loss grid ``val_loss[lr, wd]``."""
+    """Separability measures of a mean validation-loss grid ``val_loss[lr, wd]``.
+
+    Non-finite cells (a run that diverged) count as the worst loss; a learning rate whose
+    every cell diverged has no best weight decay (``None`` in ``best_wd_per_lr``) and is left
+    out of the slope."""
     lrs, wds = np.asarray(lrs, np.float64), np.asarray(wds, np.float64)
     loss = np.where(np.isfinite(val_loss), val_loss, np.inf)
     best_idx = np.argmin(loss, axis=1)
@@ -105,9 +109,10 @@ def analyse(
     corr = None
     if li.size >= 3 and np.std(li) > 0 and np.std(wj) > 0:
         corr = float(np.corrcoef(np.log10(lrs[li]), np.log10(wds[wj]))[0, 1])
+    per_lr = [float(v) if ok else None for v, ok in zip(best_wd, finite_rows, strict=True)]
     return {
         "best": {"learning_rate": float(lrs[i]), "weight_decay": float(wds[j]), "val_loss": best},
-        "best_wd_per_lr": [float(v) for v in best_wd],
+        "best_wd_per_lr": per_lr,
         "log_slope": slope,
         "near_optimal_cells": int(near.sum()),
         "near_optimal_corr": corr,
@@ -180,7 +185,7 @@ def summary_table(doc: dict[str, Any]) -> str:
             f"{a['best']['weight_decay']:.3g} | {a['best']['val_loss']:.4f} | "
             f"{f(a['log_slope'], '+.2f')} | {f(a['near_optimal_corr'], '+.2f')} "
             f"({a['near_optimal_cells']} cells within {a['tolerance']:.0%}) | "
-            + ", ".join(f"{v:.2g}" for v in a["best_wd_per_lr"])
+            + ", ".join(f(v, ".2g") for v in a["best_wd_per_lr"])
             + " |"
         )
     return "\n".join(lines)

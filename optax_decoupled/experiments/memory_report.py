@@ -135,8 +135,9 @@ def large_tensor_shapes() -> dict[str, Any]:
 
 
 def ssm_digits_setup(d_model: int = 32, n_layers: int = 2, batch_size: int = 64):
-    """``(task, model_config, params)`` of the sequential-digits SSM (the comparison's
-    ``quick`` size by default)."""
+    """``(task, model_config, params)`` of the sequential-digits SSM (by default d_model 32,
+    two layers, batches of 64: larger than the comparison's ``quick`` model, so that some
+    of its tensors reach the 8-bit storage's 4096-element threshold)."""
     from optax_decoupled.experiments import tasks as tasks_lib
     from optax_decoupled.experiments import train as train_lib
     from optax_decoupled.experiments.ssm import SSMConfig
@@ -512,7 +513,8 @@ def markdown(doc: dict[str, Any], rel: str = "memory") -> str:
         "Bytes of optimizer state per parameter (`memory.state_bytes` of `tx.init`), measured "
         "on large matrices and on the SSM, next to the theory (int8: one byte per element plus "
         "a float32 absmax per block of 256; tensors under 4096 elements stay float32, which is "
-        "why the small SSM measures close to float32):\n\n"
+        "why the SSM, whose small tensors keep float32 moments, measures above the large "
+        "matrices):\n\n"
         f"{bpp}\n\n"
         "**Does L2 make Adam's state bigger than AdamW's?** State bytes and the compiled SSM "
         "training step's memory (XLA buffer assignment, parameters and state donated) at two "

@@ -427,7 +427,9 @@ def grid_figure(doc: dict[str, Any], value: str = "val_loss") -> Figure:
     for ax, name in zip(axes[0], names, strict=True):
         res = doc["optimizers"][name]
         lrs, wds = np.asarray(res["learning_rates"]), np.asarray(res["weight_decays"])
-        z = np.nanmean(np.asarray(res[value], float), axis=2)  # (lr, wd)
+        # The mean over seeds, as the analysis takes it: a cell where a seed diverged is left
+        # blank (non-finite), not shown as the mean of the seeds that did not.
+        z = np.mean(np.asarray(res[value], float), axis=2)  # (lr, wd)
         z = np.where(np.isfinite(z), z, np.nan)
         mesh = ax.pcolormesh(cell_edges(wds, log=True), cell_edges(lrs, log=True), z,
                              cmap="viridis_r" if value == "val_loss" else "viridis",
@@ -437,7 +439,8 @@ def grid_figure(doc: dict[str, Any], value: str = "val_loss") -> Figure:
         ax.minorticks_off()
         ax.set_xticks(wds, [f"{v:.2g}" for v in wds], rotation=45, fontsize=FONT_SIZE - 2)
         ax.set_yticks(lrs, [f"{v:.2g}" for v in lrs], fontsize=FONT_SIZE - 2)
-        best_wd = res["analysis"]["best_wd_per_lr"]
+        # None: every cell of that learning rate diverged (a gap in the line)
+        best_wd = [np.nan if v is None else v for v in res["analysis"]["best_wd_per_lr"]]
         ax.plot(best_wd, lrs, "w.-", lw=1, ms=6, label="best λ per η")
         b = res["analysis"]["best"]
         ax.plot([b["weight_decay"]], [b["learning_rate"]], "r*", ms=12, label="best")
@@ -449,7 +452,9 @@ def grid_figure(doc: dict[str, Any], value: str = "val_loss") -> Figure:
         finish_axes(ax, title, "weight decay λ", "peak learning rate η")
     axes[0, 0].legend(fontsize=FONT_SIZE - 2, loc="lower left")
     label = "final validation loss" if value == "val_loss" else "test accuracy"
-    fig.suptitle(f"{label} (mean over seeds), sequential digits", fontsize=FONT_SIZE + 1)
+    fig.suptitle(
+        f"{label} (mean over seeds; blank: diverged), sequential digits", fontsize=FONT_SIZE + 1
+    )
     return fig
 
 

@@ -57,7 +57,8 @@ the 14-run Theorem-1 comparison (7 optimizers × 2 schedules, :math:`10^6` steps
 24×24 phase diagram (576 runs of :math:`10^5` steps, one vmapped program) about 1 s. XLA:CPU
 compiles a while loop into a single kernel only while its state is under 1 kB (1-4 runs of a
 batch); larger batches pay about 1.5 µs per step, which :func:`enable_fast_cpu_loops` (used by
-the CLI and the notebook) removes. The CLI's defaults take about 35 s.
+the CLI and the notebook) removes. The CLI's defaults (the report's ``quick`` part) took 10 s
+on the AMD machine and 28 s on the Intel Xeon (``docs/comparison.md``).
 """
 
 from __future__ import annotations
@@ -370,8 +371,8 @@ class SimResult:
       avg_regret: ``(B, K)`` :math:`R_t/t`.
       x_final: ``(B,)`` the iterate after all :math:`T` updates (``x[:, -1]``).
       avg_regret_final: ``(B,)`` :math:`R_T/T`.
-      x_tail_mean: ``(B,)`` the mean iterate over the last 10% of the steps (robust to the
-        oscillation of constant step sizes).
+      x_tail_mean: ``(B,)`` the mean iterate over the last 10% of the steps (at least the
+        last one; robust to the oscillation of constant step sizes).
       compile_s, run_s: compilation and execution wall time in seconds (``compile_s`` is about
         0 when the same program was compiled before in this process).
     """
@@ -541,7 +542,7 @@ def simulate(
         raise ValueError("`record` must be strictly increasing steps in [1, steps].")
     opts = tuple(r.optimizer for r in runs)
     hp = _hyperparameters(runs, tuple(dict.fromkeys(opts)))
-    tail_from = max(1, steps - steps // 10 + 1)
+    tail_from = steps - max(1, steps // 10) + 1  # the last 10%, at least the last step
     rec_j = jnp.asarray(rec, jnp.int32)
     t0 = time.perf_counter()
     draws = _draws(problem, sorted({r.seed for r in runs}), steps)
@@ -766,7 +767,7 @@ def time_single_run(problem: Problem, steps: int, optimizer: str = "adam") -> di
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Sizes of :func:`run_experiment`; the defaults take about 35 s on 2 CPU cores.
+    """Sizes of :func:`run_experiment`; the defaults take 10-30 s on 2 CPU cores.
 
     ``phase_steps`` defaults to ``min(steps, 100_000)`` and ``eps_steps`` to ``steps``.
     """
@@ -801,8 +802,8 @@ class Config:
 
     @classmethod
     def preset(cls, scale: str) -> Config:
-        """The report's sizes: ``"smoke"`` (:meth:`smoke`), ``"quick"`` (the defaults, about
-        10 s on 2 CPU cores) or ``"full"`` (10⁷ steps, a 48×48 phase diagram, 8 seeds)."""
+        """The report's sizes: ``"smoke"`` (:meth:`smoke`), ``"quick"`` (the defaults, 10-30 s
+        on 2 CPU cores) or ``"full"`` (10⁷ steps, a 48×48 phase diagram, 8 seeds)."""
         if scale == "smoke":
             return cls.smoke()
         if scale == "quick":

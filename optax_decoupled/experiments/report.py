@@ -104,7 +104,9 @@ def _run_reddi(scale: str, out: pathlib.Path, progress: bool) -> dict[str, Any]:
     from optax_decoupled.experiments import reddi
 
     config = reddi.Config.preset(scale)
-    return reddi.run_experiment(config, str(out), progress=progress)
+    doc = reddi.run_experiment(config, str(out), progress=progress)
+    doc.pop("_sim", None)  # the simulations themselves (not results: run_experiment's own JSON
+    return doc  # leaves them out too)
 
 
 def _section_reddi(doc: dict[str, Any], rel: str) -> str:
@@ -114,7 +116,8 @@ def _section_reddi(doc: dict[str, Any], rel: str) -> str:
     return (
         "## Reddi et al. counterexamples: Adam vs AMSGrad\n\n"
         "Linear losses on [-1, 1], optimum x* = -1 (Reddi, Kale & Kumar, ICLR 2018). Final point "
-        "x_T and average regret R_T/T per optimizer (α_t = α/√t):\n\n"
+        "x_T and average regret R_T/T per optimizer and step-size schedule (sqrt: α_t = α/√t, "
+        "constant: α_t = α):\n\n"
         f"{reddi.summary_table(doc)}\n\n{figures}\n"
     )
 
@@ -340,19 +343,57 @@ def _add_config_chunk(parser: argparse.ArgumentParser) -> None:
 
 def add_part_arguments(parser: argparse.ArgumentParser, part: str) -> argparse.ArgumentParser:
     """The options of a single-part subcommand (``compare``, ``grid``, ``memory``)."""
-    parser.add_argument("--scale", choices=SCALES, default="quick")
-    parser.add_argument("--out", default=f"results/{part}", help="output directory")
+    parser.add_argument(
+        "--scale", choices=SCALES, default="quick",
+        help="quick (default), full or smoke, as for the report (OPTAX_DECOUPLED_SMOKE=1: smoke)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--out", default=f"results/{part}",
+        help=f"output directory (default: results/{part}, the report's, which includes it)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--force", action="store_true",
+        help="replace a finished run at another scale in --out (one at this scale is replaced "
+        "anyway)",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     if part in GRID_PARTS:
         _add_config_chunk(parser)
     return parser
 
 
+def _cli_scale(command: str, args: argparse.Namespace) -> str:
+    """``args.scale``, or ``"smoke"`` where ``OPTAX_DECOUPLED_SMOKE`` asks for it (said on
+    stderr)."""
+    from optax_decoupled.experiments.reddi import smoke_requested
+
+    if not smoke_requested() or args.scale == "smoke":
+        return args.scale
+    print(
+        f"optax-decoupled {command}: OPTAX_DECOUPLED_SMOKE is set: running the smoke scale "
+        f"(ignoring --scale {args.scale})",
+        file=sys.stderr,
+    )
+    return "smoke"
+
+
 def run_part_cli(part: str, args: argparse.Namespace, summary: Callable[[dict], str]) -> int:
-    """Runs one part (always afresh) for a subcommand and prints its summary."""
+    """Runs one part afresh for a subcommand and prints its summary. A finished run at the
+    same scale in ``--out`` is replaced; one at another scale (e.g. the report's) only with
+    ``--force``."""
+    scale = _cli_scale(part, args)
+    done = _finished(pathlib.Path(args.out))
+    if done is not None and done.get("scale") != scale and not args.force:
+        print(
+            f"optax-decoupled {part}: error: {args.out} holds a finished {done.get('scale')!r} "
+            f"run of {part!r}; pass --force to replace it with a {scale!r} run, or choose "
+            "another --out.",
+            file=sys.stderr,
+        )
+        return 2
     xla_setup.configure_cpu()  # before any JAX work: fast loops, a CPU device per core
     doc, wall, _ = run_part(
-        part, args.scale, args.out, force=True, progress=not args.no_progress,
+        part, scale, args.out, force=True, progress=not args.no_progress,
         config_chunk=getattr(args, "config_chunk", "auto"),
     )  # fmt: skip
     print(summary(doc))
@@ -378,7 +419,8 @@ def part_subcommand(
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--scale", choices=SCALES, default="quick",
-        help="quick: <= 10 min on 2 CPU cores (default); full: sized for one GPU; smoke: seconds",
+        help="quick: 7-15 min on 2 CPU cores (default); full: sized for one GPU; smoke: seconds "
+        "(also OPTAX_DECOUPLED_SMOKE=1)",
     )  # fmt: skip
     parser.add_argument("--out", default="results", help="output directory (default: results)")
     parser.add_argument(
@@ -391,13 +433,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    scale = "smoke" if os.environ.get("OPTAX_DECOUPLED_SMOKE") == "1" else args.scale
-    if scale != args.scale:
-        print(
-            f"optax-decoupled report: OPTAX_DECOUPLED_SMOKE=1: running the smoke scale "
-            f"(ignoring --scale {args.scale})",
-            file=sys.stderr,
-        )
+    scale = _cli_scale("report", args)
     try:
         path = run_report(
             args.out, scale=scale, parts=tuple(args.parts), force=args.force,

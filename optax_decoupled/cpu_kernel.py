@@ -42,7 +42,9 @@ about 1.5-4x slower, bfloat16 ones up to about 1.5x, depending on the CPU,
 ``docs/memory.md``): the first such update traced with the CPU as the default backend says
 so with a :class:`RuntimeWarning` that gives :func:`unavailable_reason`.
 ``cpu_kernel=False`` on the storage chooses XLA's program explicitly (no warning). GPUs and
-TPUs never use the kernels.
+TPUs never use the kernels. A program that differentiates through the update (e.g. a
+meta-gradient w.r.t. the learning rate) takes the derivative of XLA's program; the kernel
+still computes the values.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 from optax_decoupled import moment_updates
 from optax_decoupled import quantization as quant_lib
@@ -536,7 +538,18 @@ def _dispatch_batching(args, dims, *, single, partitioned, out_avals):
     return outs, [0] * len(outs)
 
 
+def _dispatch_jvp(primals, tangents, *, single, partitioned, out_avals):
+    """Differentiates through the partitionable function (XLA's program: the kernel is a
+    custom call without derivatives; both compute the same function). The primal outputs
+    are still the primitive's: the kernel computes the values of a differentiated step."""
+    outs = _dispatch_p.bind(*primals, single=single, partitioned=partitioned, out_avals=out_avals)
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    _, out_tangents = jax.jvp(partitioned, list(primals), tangents)
+    return outs, out_tangents
+
+
 _dispatch_p.def_abstract_eval(_dispatch_abstract_eval)
 _dispatch_p.def_impl(_dispatch_impl)
 mlir.register_lowering(_dispatch_p, _dispatch_lowering)
 batching.primitive_batchers[_dispatch_p] = _dispatch_batching
+ad.primitive_jvps[_dispatch_p] = _dispatch_jvp

@@ -340,6 +340,48 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
 
 
 @needs_kernel
+@pytest.mark.parametrize("state_dtype", ["int8", "bfloat16"])
+def test_differentiating_through_the_update(state_dtype):
+    """Meta-gradients through optimizer steps (w.r.t. the learning rate and b1, injected)
+    work with the kernels' storages: the kernels themselves have no derivatives, so the
+    derivative is XLA's program's (the storage with ``cpu_kernel=False``), while the values
+    are still computed by the kernel (to float32 rounding the step's that is not
+    differentiated: XLA fuses the rest of a differentiated program differently, which moves
+    parameters by an ulp with float32 state too)."""
+    storages = {
+        "int8": (BlockwiseInt8Storage(), BlockwiseInt8Storage(cpu_kernel=False)),
+        "bfloat16": (
+            od.FloatStorage(jnp.bfloat16, "bfloat16"),
+            od.FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False),
+        ),
+    }[state_dtype]
+    params = {"w": jnp.linspace(-1.0, 1.0, 64 * 100).reshape(64, 100)}  # quantized (> 4096)
+
+    def meta(hp, storage):
+        tx = optax.inject_hyperparams(od.adamw)(
+            learning_rate=hp["lr"], b1=hp["b1"], state_dtype=storage
+        )
+        p, state = params, tx.init(params)
+        for _ in range(3):
+            u, state = tx.update(jax.tree.map(jnp.sin, p), state, p)
+            p = optax.apply_updates(p, u)
+        return jnp.sum(p["w"] ** 2), p
+
+    hp = {"lr": jnp.float32(0.05), "b1": jnp.float32(0.8)}
+    kernel, xla = storages
+    grad = jax.jit(jax.grad(meta, has_aux=True), static_argnums=1)
+    calls = cpu_kernel.calls_compiled()
+    (g_kernel, p_kernel), (g_xla, _) = grad(hp, kernel), grad(hp, xla)
+    assert cpu_kernel.calls_compiled() > calls  # the kernel computed the values
+    chex.assert_trees_all_close(g_kernel, g_xla, rtol=1e-4)
+    assert all(np.isfinite(v) and v != 0 for v in jax.tree.leaves(g_kernel))
+    plain = jax.jit(meta, static_argnums=1)(hp, kernel)[1]
+    chex.assert_trees_all_close(p_kernel, plain, rtol=0, atol=2.5e-7)
+    tangent = jax.jvp(lambda lr: meta({**hp, "lr": lr}, kernel)[0], (hp["lr"],), (1.0,))[1]
+    np.testing.assert_allclose(tangent, g_kernel["lr"], rtol=1e-4)
+
+
+@needs_kernel
 @pytest.mark.parametrize("platforms", [("cpu",), ("cpu", "cuda")], ids=["cpu", "cpu+cuda"])
 def test_exported_programs_use_the_loop(platforms):
     """A step serialized with jax.export carries no call of the kernel (it may run where the

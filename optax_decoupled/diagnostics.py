@@ -63,7 +63,10 @@ def effective_decay(
     where :math:`\hat\nu_t` is what the denominator of the last step used (the AMSGrad max for
     ``amsgrad`` variants, uncorrected for ``"paper"``). Leaves the mask excludes get 0.
     The hyperparameters must be those of the optimizer that produced ``opt_state``;
-    ``learning_rate`` is the value :math:`\eta_t` at the step of interest.
+    ``learning_rate`` is the value :math:`\eta_t` at the step of interest. For the
+    ``"schedule"`` and ``"corrected"`` conventions pass the run's ``peak_learning_rate``
+    when it used a schedule: without it :math:`\eta_t` is taken as its own peak, as for a
+    constant learning rate (the transform itself refuses a schedule without the peak).
     """
     decays = masks_lib.resolve_mask(mask, params)
     if not coupled:

@@ -11,8 +11,10 @@ A storage may also have ``update(fn, stored, operands, like, signed)``, a fused
 read-modify-write that :func:`update_moments` uses when it exists (8-bit storage does).
 
 ``signed`` says whether the moment can be negative (:math:`\\mu`) or not (:math:`\\nu`), which
-matters to quantized storage. The update itself is always computed in the compute dtype
-(``promote_types(storage dtype, parameter dtype)``), so low-precision storage changes only what
+matters to quantized storage. The update itself is always computed in the compute dtype:
+``promote_types(storage dtype, gradient dtype)``, and at least float32 for bfloat16, float16
+and 8-bit storage (with ``None``, the parameter's dtype: what Optax computes in). So
+low-precision storage changes only what
 is kept between steps, never the arithmetic of one step.
 
 Accepted ``state_dtype`` values:
@@ -22,7 +24,9 @@ Accepted ``state_dtype`` values:
 ``"float32"``          float32 moments (e.g. for bfloat16/float16 parameters)
 ``"bfloat16"``         bfloat16 moments, round-to-nearest-even on write
                        (:class:`FloatStorage`; on CPU the moving averages run in a
-                       compiled kernel)
+                       compiled kernel). With ``b2 > 0.998``, :math:`\nu` cannot
+                       decay (its step is under half an ulp): see
+                       ``docs/memory.md``
 ``"float16"``          float16 moments
 ``"float64"``          float64 moments (with ``jax_enable_x64``)
 ``"int8"``             8-bit block-wise quantized moments (:class:`BlockwiseInt8Storage`
@@ -207,8 +211,14 @@ class FloatStorage:
         del signed
         return jnp.zeros_like(param, dtype=self.dtype)  # keeps a concrete param's sharding
 
+    def compute_dtype(self, like: jax.Array) -> Any:
+        """``promote_types(dtype, like's dtype)``, at least float32: a bfloat16 or float16
+        moment of a bfloat16 gradient is still averaged in float32 (in bfloat16 arithmetic
+        ``b2 = 0.999`` would round to 1)."""
+        return jnp.promote_types(jnp.promote_types(self.dtype, jnp.result_type(like)), jnp.float32)
+
     def read(self, stored: jax.Array, like: jax.Array) -> jax.Array:
-        return stored.astype(jnp.promote_types(self.dtype, jnp.result_type(like)))
+        return stored.astype(self.compute_dtype(like))
 
     def write(self, value: jax.Array, like: jax.Array, signed: bool) -> jax.Array:
         del like, signed
@@ -230,7 +240,7 @@ class FloatStorage:
         if not (
             self.cpu_kernel
             and jnp.dtype(self.dtype) == jnp.bfloat16
-            and jnp.promote_types(self.dtype, jnp.result_type(like)) == jnp.float32
+            and self.compute_dtype(like) == jnp.float32
             and _bf16_kernel_applies(fn, stored, operands)
         ):
             return plain(fn, stored, operands, return_old=return_old)

@@ -197,12 +197,11 @@ def decay_rate(
 
 
 def _resolve_peak(convention: str, learning_rate: Any, peak_learning_rate: Any) -> Any:
-    if convention not in ("schedule", "corrected"):
-        return peak_learning_rate
-    if peak_learning_rate is not None:
+    if peak_learning_rate is not None:  # checked even where the convention ignores it
         if callable(peak_learning_rate):
             raise ValueError("`peak_learning_rate` must be a number or an array, not a schedule.")
         V.check_positive("peak_learning_rate", peak_learning_rate)
+    if convention not in ("schedule", "corrected") or peak_learning_rate is not None:
         return peak_learning_rate
     constant = V.concrete_number(learning_rate)
     if constant is not None and not isinstance(learning_rate, bool):
@@ -357,8 +356,9 @@ def scale_by_adam(
     by :math:`1-\beta_2^t`, and the max keeps them), so it takes smaller steps than
     ``"pytorch"`` for a long time; the conventions differ measurably (see the Reddi experiment).
 
-    Moments are computed in ``promote_types(state dtype, parameter dtype)`` and stored as
-    ``state_dtype`` says (:mod:`optax_decoupled.storage`); the output has the gradient's dtype.
+    Moments are computed in ``promote_types(state dtype, gradient dtype)``, at least float32
+    for a bfloat16, float16 or 8-bit ``state_dtype``, and stored as ``state_dtype`` says
+    (:mod:`optax_decoupled.storage`); the output has the gradient's dtype.
 
     Args:
       b1: :math:`\beta_1 \in [0, 1)`.

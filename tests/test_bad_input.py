@@ -120,6 +120,16 @@ def test_peak_learning_rate_needed_for_relative_conventions(convention):
     od.adamw(sched, decay_convention=convention, peak_learning_rate=1e-3)
 
 
+@pytest.mark.parametrize("convention", ["lr", "constant"])
+def test_peak_learning_rate_is_checked_where_the_convention_ignores_it(convention):
+    """An invalid value is a mistake whether or not this convention reads it."""
+    with pytest.raises(ValueError, match="`peak_learning_rate` must be a finite number > 0"):
+        od.adamw(1e-3, decay_convention=convention, peak_learning_rate=-5.0)
+    with pytest.raises(ValueError, match="`peak_learning_rate` must be a number"):
+        od.lion(1e-4, decay_convention=convention, peak_learning_rate="x")
+    od.adamw(1e-3, decay_convention=convention, peak_learning_rate=1e-2)  # valid, unused
+
+
 def test_decoupled_decay_needs_learning_rate():
     with pytest.raises(ValueError, match="needs `learning_rate`"):
         od.decoupled_weight_decay(0.1)

@@ -165,6 +165,35 @@ def test_low_precision_params_compute_in_float32(dtype):
     chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
 
 
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_low_precision_state_averages_in_float32_whatever_the_gradient_dtype(
+    state_dtype, param_dtype
+):
+    """bfloat16 and float16 moments are averaged in float32 also when the gradient is
+    bfloat16: the same bfloat16 gradient values, given as bfloat16 or as float32, give the
+    same state (in bfloat16 arithmetic b2 = 0.95 rounds to 0.9492 and 0.999 to 1, and ν
+    would differ). Reference: a float64 NumPy average of the stored moments, rounded once."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 1000, dtype=param_dtype)}
+    tx = od.scale_by_adam(b1=0.9, b2=0.95, state_dtype=state_dtype)
+    g = jnp.sin(jnp.arange(1000.0) * 0.37).astype(jnp.bfloat16)
+    states = []
+    for grads in ({"w": g}, {"w": g.astype(jnp.float32)}):
+        state = tx.init(params)
+        for _ in range(2):
+            _, state = jax.jit(tx.update)(grads, state, params)
+        states.append(state)
+    chex.assert_trees_all_equal(states[0].mu, states[1].mu)
+    chex.assert_trees_all_equal(states[0].nu, states[1].nu)
+    g64, dtype = np.asarray(g, np.float64), jnp.dtype(state_dtype)
+    mu = nu = np.zeros(1000)
+    for _ in range(2):
+        mu = np.asarray(np.asarray(0.1 * g64 + 0.9 * mu, np.float32).astype(dtype), np.float64)
+        nu = np.asarray(np.asarray(0.05 * g64**2 + 0.95 * nu, np.float32).astype(dtype), np.float64)
+    np.testing.assert_allclose(np.asarray(states[0].mu["w"], np.float64), mu, rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(states[0].nu["w"], np.float64), nu, rtol=1e-2)
+
+
 def test_float64_params_with_x64():
     with jax.enable_x64(True):
         params = jax.tree.map(lambda x: x.astype(jnp.float64), make_params())
@@ -541,3 +570,32 @@ def test_leading_axis_sharding_maps_to_whole_blocks():
         timeout=300,
     )  # fmt: skip
     assert "SHARDING_OK" in result.stdout, result.stdout + result.stderr
+
+
+def test_bfloat16_nu_cannot_decay_slowly():
+    """A documented limit of bfloat16 state (docs/memory.md, *bfloat16 state*): with
+    b2 = 0.999, ν's per-step decay (0.1%) is under half a bfloat16 ulp (0.2-0.4%), so after
+    large gradients round-to-nearest writes the old ν back and it never comes down: 100
+    steps of g = 1 then 2900 of g = 0.01 leave ν at 0.098 (float32: 0.0053) and the update
+    4x too small. 8-bit state, whose block scale is float32, follows float32. (If bfloat16
+    storage ever rounds stochastically, this test and the docs change together.)"""
+    params = {"w": jnp.zeros((4096,))}
+
+    def final(state_dtype):
+        tx = od.scale_by_adam(state_dtype=state_dtype)
+        gs = jnp.concatenate([jnp.ones(100), jnp.full(2900, 0.01)])
+
+        def body(state, g):
+            u, state = tx.update({"w": jnp.full((4096,), g)}, state)
+            return state, u["w"][0]
+
+        state, u = jax.lax.scan(body, tx.init(params), gs)
+        nu = S.resolve_storage(state_dtype).read(state.nu["w"], params["w"])
+        return float(nu[0]), float(u[-1])
+
+    nu32, u32 = final(None)
+    nu16, u16 = final("bfloat16")
+    nu8, u8 = final(S.BlockwiseInt8Storage(min_size=0))
+    assert nu32 == pytest.approx(0.00533, rel=1e-2) and u32 == pytest.approx(0.1336, rel=1e-2)
+    assert nu16 == pytest.approx(0.0977, rel=1e-2) and u16 == pytest.approx(0.0319, rel=1e-2)
+    assert nu8 == pytest.approx(nu32, rel=1e-2) and u8 == pytest.approx(u32, rel=1e-2)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -230,6 +231,30 @@ def resolve_mask(mask: MaskArg, params: Any, *, argument: str = "mask") -> Any:
     if callable(mask):
         return _match_tree(mask(params), params, argument)
     return _match_tree(mask, params, argument)
+
+
+def warn_if_auto_decays_nothing(mask: MaskArg, decays: Any, weight_decay: Any, who: str) -> None:
+    """A :class:`UserWarning` when ``mask="auto"`` decays none of the parameters although the
+    weight decay is not zero: e.g. under ``optax.flatten``, which hands the transform one
+    1-D vector, or for a tree of biases and scalars. Silent otherwise (and for a traced
+    weight decay that is zero)."""
+    if not (isinstance(mask, str) and mask == "auto"):
+        return
+    leaves = jax.tree.leaves(decays)
+    if not leaves or any(leaves):
+        return
+    if isinstance(weight_decay, int | float) and not isinstance(weight_decay, bool):
+        if weight_decay == 0:
+            return
+    warnings.warn(
+        f"{who}: mask='auto' decays none of these parameters (it decays leaves with "
+        "ndim >= 2 whose names are not biases, norms or SSM parameters), so the weight decay "
+        "does nothing. Under optax.flatten the transform sees one 1-D vector: decay before "
+        "flattening, or use optax_decoupled.packed. Pass mask=None to decay every leaf, or "
+        "your own mask.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def check_mask_arg(mask: MaskArg, argument: str = "mask") -> None:

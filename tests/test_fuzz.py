@@ -296,7 +296,7 @@ def test_docs_table_is_current():
 
 def test_python_float_gradient_leaves():
     params = {"a": 1.0}
-    updates, _ = _update(od.adamw(1e-3), {"a": 0.5}, params)
+    updates, _ = _update(od.adamw(1e-3, mask=None), {"a": 0.5}, params)
     assert np.isfinite(float(updates["a"]))
 
 

@@ -232,3 +232,25 @@ def test_nnx_model_with_ssm_parameters():
 
 def _nnx_leaves(nnx, model):
     return jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+
+
+def test_auto_mask_that_decays_nothing_is_warned_about():
+    """optax.flatten hands the transform one 1-D vector, which mask="auto" never decays: the
+    weight decay would silently do nothing. init says so; a tree with a decayed leaf, a zero
+    weight decay or an explicit mask do not warn."""
+    import warnings
+
+    params = {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}
+    for make in (od.adamw, od.adam_l2, od.lion):
+        with pytest.warns(UserWarning, match="mask='auto' decays none of these parameters"):
+            optax.flatten(make(1e-2, weight_decay=0.5)).init(params)
+    quiet = [
+        lambda: od.adamw(1e-2, weight_decay=0.5).init(params),
+        lambda: od.adamw(1e-2, weight_decay=0.0).init({"b": jnp.ones(4)}),
+        lambda: optax.flatten(od.adamw(1e-2, weight_decay=0.5, mask=None)).init(params),
+    ]
+    for init in quiet:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            init()
+        assert not [w for w in seen if "decays none" in str(w.message)]

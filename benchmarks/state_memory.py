@@ -11,7 +11,9 @@ float32 steps of its own turns; medians of ``--repeats`` steps are reported. ``i
 default 8-bit storage (on CPU the compiled kernel, ``optax_decoupled.cpu_kernel``);
 ``int8-loop`` is the same storage with ``cpu_kernel=False`` (XLA's chunk loop). Likewise
 ``bfloat16`` is the default bfloat16 storage (on CPU the compiled kernel for bfloat16
-moments) and ``bfloat16-xla`` the same with ``cpu_kernel=False`` (XLA's own program).
+moments), ``bfloat16-xla`` the same with ``cpu_kernel=False`` (XLA's own program) and
+``bfloat16-sr`` bfloat16 storage with stochastic rounding (XLA's program). ``--dtypes``
+times a subset (float32 always).
 
 Why pairs: a step whose program allocates temporaries (8-bit and bf16 state do, float32 does
 not) is slower when other programs with big temporaries run between its steps, since
@@ -50,7 +52,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
 
-STATE_DTYPES = ("float32", "bfloat16", "bfloat16-xla", "int8", "int8-loop")
+STATE_DTYPES = ("float32", "bfloat16", "bfloat16-xla", "bfloat16-sr", "int8", "int8-loop")
+#: Column labels of the dtypes.
+LABELS = {
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "bfloat16-xla": "bf16, XLA",
+    "bfloat16-sr": "bf16 stochastic",
+    "int8": "int8",
+    "int8-loop": "int8, XLA loop",
+}
 #: Environment variables that tune glibc's or jemalloc's allocator (recorded with the results).
 MALLOC_ENV = ("GLIBC_TUNABLES", "MALLOC_", "LD_PRELOAD")
 
@@ -62,6 +73,8 @@ def _storage(name):
         return BlockwiseInt8Storage(cpu_kernel=False)
     if name == "bfloat16-xla":
         return FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False)
+    if name == "bfloat16-sr":
+        return FloatStorage(jnp.bfloat16, "bfloat16", rounding="stochastic")
     return name
 
 
@@ -75,12 +88,14 @@ def make_step(state_dtype):
     return tx, jax.jit(step, donate_argnums=(0, 1))
 
 
-def bench_size(shape, repeats: int, rotation: str = "pairs") -> dict:
+def bench_size(
+    shape, repeats: int, rotation: str = "pairs", dtypes: tuple[str, ...] = STATE_DTYPES
+) -> dict:
     key = jax.random.key(0)
     params0 = {"w": jax.random.normal(key, shape, jnp.float32)}
     grads = {"w": 0.01 * jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32)}
     runs = {}
-    for sd in STATE_DTYPES:
+    for sd in dtypes:
         tx, step = make_step(sd)
         params = jax.tree.map(jnp.copy, params0)
         state = tx.init(params)
@@ -90,9 +105,9 @@ def bench_size(shape, repeats: int, rotation: str = "pairs") -> dict:
         jax.block_until_ready((params, state))
         compile_s = time.perf_counter() - t0
         runs[sd] = {"step": step, "carry": (params, state), "bytes": sb, "compile_s": compile_s}
-    others = [sd for sd in STATE_DTYPES if sd != "float32"]
-    rotations = [STATE_DTYPES] if rotation == "all" else [("float32", sd) for sd in others]
-    times = {sd: [] for sd in STATE_DTYPES}
+    others = [sd for sd in dtypes if sd != "float32"]
+    rotations = [dtypes] if rotation == "all" else [("float32", sd) for sd in others]
+    times = {sd: [] for sd in dtypes}
     anchor = {}  # the float32 times of the rotation each dtype was timed in
     for turn in rotations:
         f32_times = []
@@ -107,7 +122,7 @@ def bench_size(shape, repeats: int, rotation: str = "pairs") -> dict:
         anchor.update({sd: f32_times for sd in turn if sd != "float32"})
     n = int(np.prod(shape))
     out = {"shape": list(shape), "num_params": n, "rotation": rotation}
-    for sd in STATE_DTYPES:
+    for sd in dtypes:
         sb = runs[sd]["bytes"]
         out[sd] = {
             "state_bytes": sb.total,
@@ -125,24 +140,23 @@ def bench_size(shape, repeats: int, rotation: str = "pairs") -> dict:
 
 
 def markdown(results: list[dict]) -> str:
-    lines = [
-        "| parameters | shape | state fp32 | state bf16 | state int8 | int8/fp32 state "
-        "| step fp32 (ms) | step bf16 (ms) | step bf16, XLA (ms) | step int8 (ms) "
-        "| step int8, XLA loop (ms) | bf16/fp32 time | bf16 XLA/fp32 time | int8/fp32 time "
-        "| int8 XLA loop/fp32 time |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    """One row per size: state bytes (fp32, bf16, int8 where timed), the int8/fp32 state
+    ratio, each dtype's median step and its ratio to its float32 turns."""
+    dtypes = [sd for sd in STATE_DTYPES if sd in results[0]]
+    others = [sd for sd in dtypes if sd != "float32"]
+    stored = [sd for sd in ("float32", "bfloat16", "int8") if sd in dtypes]
+    head = ["parameters", "shape", *(f"state {LABELS[sd]}" for sd in stored)]
+    head += ["int8/fp32 state"] if "int8" in dtypes else []
+    head += [f"step {LABELS[sd]} (ms)" for sd in dtypes]
+    head += [f"{LABELS[sd]}/fp32 time" for sd in others]
+    lines = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 2)]
     for r in results:
-        f, b, q, lp = r["float32"], r["bfloat16"], r["int8"], r["int8-loop"]
-        bx = r["bfloat16-xla"]
-        fb, bb, qb = (memory.format_bytes(x["state_bytes"]) for x in (f, b, q))
-        lines.append(
-            f"| {r['num_params']:,} | {tuple(r['shape'])} | {fb} | {bb} | {qb} "
-            f"| {q['state_ratio']:.4f} | {f['step_ms_median']:.1f} | {b['step_ms_median']:.1f} "
-            f"| {bx['step_ms_median']:.1f} | {q['step_ms_median']:.1f} "
-            f"| {lp['step_ms_median']:.1f} | {b['time_ratio']:.2f} | {bx['time_ratio']:.2f} "
-            f"| {q['time_ratio']:.2f} | {lp['time_ratio']:.2f} |"
-        )
+        cells = [f"{r['num_params']:,}", str(tuple(r["shape"]))]
+        cells += [memory.format_bytes(r[sd]["state_bytes"]) for sd in stored]
+        cells += [f"{r['int8']['state_ratio']:.4f}"] if "int8" in dtypes else []
+        cells += [f"{r[sd]['step_ms_median']:.1f}" for sd in dtypes]
+        cells += [f"{r[sd]['time_ratio']:.2f}" for sd in others]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -151,6 +165,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 1e7, 5e7])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ragged", action="store_true", help="also (N/1000, 1000) matrices")
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=STATE_DTYPES[1:], default=list(STATE_DTYPES[1:]),
+        help="state dtypes to time against float32 (default: all)",
+    )  # fmt: skip
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument(
         "--rotation",
@@ -167,7 +185,8 @@ def main(argv=None) -> list[dict]:
     load_at_start = C.load_average()
     results = []
     for shape in shapes:
-        results.append(bench_size(shape, args.repeats, args.rotation))
+        dtypes = ("float32", *dict.fromkeys(args.dtypes))
+        results.append(bench_size(shape, args.repeats, args.rotation, dtypes))
         print(markdown(results[-1:]).splitlines()[-1], flush=True)
     env = {
         "jax": jax.__version__,
@@ -180,6 +199,7 @@ def main(argv=None) -> list[dict]:
         "python": platform.python_version(),
         "repeats": args.repeats,
         "rotation": args.rotation,
+        "dtypes": ["float32", *dict.fromkeys(args.dtypes)],
         # The allocator's settings change how much the temporaries cost (docs/memory.md).
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(MALLOC_ENV)},
         "cpu_kernel": cpu_kernel.available(),

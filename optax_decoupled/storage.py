@@ -25,8 +25,9 @@ Accepted ``state_dtype`` values:
 ``"bfloat16"``         bfloat16 moments, round-to-nearest-even on write
                        (:class:`FloatStorage`; on CPU the moving averages run in a
                        compiled kernel). With ``b2 > 0.998``, :math:`\nu` cannot
-                       decay (its step is under half an ulp): see
-                       ``docs/memory.md``
+                       decay (its step is under half an ulp) unless rounded
+                       stochastically: ``FloatStorage(jnp.bfloat16, "bfloat16",
+                       rounding="stochastic")``, see ``docs/memory.md``
 ``"float16"``          float16 moments
 ``"float64"``          float64 moments (with ``jax_enable_x64``)
 ``"int8"``             8-bit block-wise quantized moments (:class:`BlockwiseInt8Storage`
@@ -95,6 +96,7 @@ def update_moments(
     like: jax.Array,
     signed: tuple[bool, ...],
     return_old: bool = False,
+    step: jax.Array | None = None,
 ) -> Any:
     """The new stored moments ``write(v_k)`` for ``v = fn(*read(stored), *operands)``.
 
@@ -111,7 +113,18 @@ def update_moments(
     transform reads ``old`` instead of ``stored``: the same values, which 8-bit storage's
     CPU kernel copies while it updates ``stored`` in place (XLA would otherwise copy
     ``stored`` before the kernel overwrites it); other storages return ``stored`` itself.
+
+    ``step`` (the transform's step count, an int32 scalar) seeds storages that round
+    stochastically (``needs_step``, e.g. ``FloatStorage(..., rounding="stochastic")``),
+    which need it; the others ignore it.
     """
+    if getattr(store, "needs_step", False):
+        if step is None:
+            raise ValueError(
+                f"{store!r} rounds stochastically and needs the step count: pass `step` to "
+                "update_moments (the transforms of this package do)."
+            )
+        return store.update(fn, stored, operands, like, signed, return_old=return_old, step=step)
     update = getattr(store, "update", None)
     if update is not None:
         return update(fn, stored, operands, like, signed, return_old=return_old)
@@ -173,6 +186,58 @@ class ParamDtypeStorage:
         return (new, tuple(stored)) if return_old else new
 
 
+#: The roundings of :class:`FloatStorage`.
+ROUNDINGS = ("nearest", "stochastic")
+
+
+def _mix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: every input bit changes each output bit with
+    probability about 1/2 (uint32, wrapping arithmetic)."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def stochastic_round_bfloat16(x: jax.Array, step: jax.Array, stream: int = 0) -> jax.Array:
+    r"""``x`` rounded to bfloat16 up or down at random, unbiased (a wider ``x`` is first
+    rounded to float32):
+
+    .. math::
+
+        \operatorname{SR}(x) = \begin{cases} x_{\uparrow} & \text{with probability }
+        (x - x_{\downarrow}) / (x_{\uparrow} - x_{\downarrow}) \\
+        x_{\downarrow} & \text{otherwise} \end{cases}, \qquad
+        \mathbb{E}[\operatorname{SR}(x)] = x
+
+    with :math:`x_{\downarrow}, x_{\uparrow}` the neighbouring bfloat16 values (towards
+    and away from zero). The classic bit form: add 16 random bits to the float32's low 16
+    bits and truncate them (Gupta et al., "Deep Learning with Limited Numerical Precision",
+    ICML 2015, for the rounding). The
+    bits are a hash of the element's (row-major) index, ``step`` and ``stream``, so a step
+    is reproducible (a resumed run rounds as the original did) and no key is stored;
+    elements at the same index of different leaves share their bits, which correlates
+    their roundings but biases none. NaN stays NaN, infinities stay infinite; a value
+    within half a bfloat16 ulp of the largest float32 may round to infinity.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    index = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 0) if x.ndim else jnp.uint32(0)
+    for axis in range(1, x.ndim):
+        index = index * jnp.uint32(x.shape[axis]) + jax.lax.broadcasted_iota(
+            jnp.uint32, x.shape, axis
+        )
+    seed = _mix32(
+        jnp.asarray(step).astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + jnp.uint32(stream + 1)
+    )
+    noise = _mix32(index * jnp.uint32(0x27D4EB2F) ^ seed) & jnp.uint32(0xFFFF)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
+    finite = jnp.isfinite(x)  # keeps NaN payloads and infinities as they are
+    out = jax.lax.bitcast_convert_type(jnp.where(finite, rounded, bits), jnp.float32)
+    return out.astype(jnp.bfloat16)  # exact where finite: the low 16 bits are zero
+
+
 @dataclasses.dataclass(frozen=True)
 class FloatStorage:
     """Moments stored in a fixed floating dtype, computed in the promoted dtype.
@@ -188,11 +253,18 @@ class FloatStorage:
         XLA's program contracts a multiply-add (a few moments in a million, one bfloat16
         step apart; ``tests/test_cpu_kernel_bf16.py``). Other dtypes and platforms ignore
         it.
+      rounding: how the new moments are rounded to ``dtype``: ``"nearest"`` (to nearest,
+        ties to even; the default) or, for bfloat16, ``"stochastic"``
+        (:func:`stochastic_round_bfloat16`: up or down with probabilities that make the
+        stored value unbiased, seeded by the step count, so that a moment can drift by
+        less than half an ulp per step, as ν with ``b2 = 0.999`` does; see
+        ``docs/memory.md``). Stochastic rounding takes XLA's program, not the CPU kernel.
     """
 
     dtype: Any
     name: str = "float"
     cpu_kernel: bool = True
+    rounding: str = "nearest"
 
     def __post_init__(self):
         try:
@@ -206,6 +278,18 @@ class FloatStorage:
             )
         if not isinstance(self.cpu_kernel, bool):
             raise ValueError(f"`cpu_kernel` must be True or False, got {self.cpu_kernel!r}.")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"`rounding` must be one of {ROUNDINGS}, got {self.rounding!r}.")
+        if self.rounding == "stochastic" and jnp.dtype(self.dtype) != jnp.bfloat16:
+            raise ValueError(
+                f"`rounding`='stochastic' is implemented for bfloat16 storage only, got dtype "
+                f"{jnp.dtype(self.dtype).name}."
+            )
+
+    @property
+    def needs_step(self) -> bool:
+        """Whether :func:`update_moments` must pass the step count (stochastic rounding)."""
+        return self.rounding == "stochastic"
 
     def init(self, param: jax.Array, signed: bool) -> jax.Array:
         del signed
@@ -232,10 +316,17 @@ class FloatStorage:
         like: jax.Array,
         signed: tuple[bool, ...],
         return_old: bool = False,
+        step: jax.Array | None = None,
     ) -> Any:
         """:func:`update_moments`: the read-compute-write, or on CPU, for bfloat16 moments
         of a moving-average update, the compiled kernel (in programs compiled for one
-        device, like 8-bit storage's; see :mod:`optax_decoupled.cpu_kernel`)."""
+        device, like 8-bit storage's; see :mod:`optax_decoupled.cpu_kernel`). With
+        stochastic rounding, moment ``k`` of the update is rounded with stream ``k`` of
+        ``step``."""
+        if self.needs_step:
+            values = fn(*(self.read(s, like) for s in stored), *operands)
+            new = tuple(stochastic_round_bfloat16(v, step, stream=k) for k, v in enumerate(values))
+            return (new, tuple(stored)) if return_old else new
         plain = functools.partial(_read_compute_write, self, like=like, signed=signed)
         if not (
             self.cpu_kernel

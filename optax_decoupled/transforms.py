@@ -412,7 +412,7 @@ def scale_by_adam(
             # read-modify-write (8-bit storage does, chunk by chunk on CPU). The output is
             # computed from `old`: the values of `stored` (see update_moments).
             written, old = storage_lib.update_moments(
-                store, moments, stored, (g,), like=g, signed=signed, return_old=True
+                store, moments, stored, (g,), like=g, signed=signed, return_old=True, step=count
             )
             new = moments(*(store.read(s, g) for s in old), g)
             mu, nu = new[:2]
@@ -487,17 +487,25 @@ def scale_by_lion(
             _check_shapes(updates, params, "scale_by_lion", "parameter")
 
         momentum = EmaMoments((b2,), (1,))
+        count = optax.safe_increment(state.count)
 
         def leaf(g, mu_s):
             g = jnp.asarray(g)
             (written,), (old,) = storage_lib.update_moments(
-                store, momentum, (mu_s,), (g,), like=g, signed=(True,), return_old=True
+                store,
+                momentum,
+                (mu_s,),
+                (g,),
+                like=g,
+                signed=(True,),
+                return_old=True,
+                step=count,
             )
             mu = store.read(old, g)
             u = jnp.sign((1 - b1) * g.astype(mu.dtype) + b1 * mu).astype(g.dtype)
             return u, written
 
         u, mu = _map_unzip(leaf, updates, state.mu)
-        return u, ScaleByLionState(count=optax.safe_increment(state.count), mu=mu)
+        return u, ScaleByLionState(count=count, mu=mu)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -109,6 +109,18 @@ CASES: dict[str, Case] = {
         "`FloatStorage` with a dtype that is not floating (e.g. `jnp.int8`)",
         lambda: storage.FloatStorage(jnp.int8),
     ),
+    "float-storage-rounding": Case(
+        "`FloatStorage` with an unknown `rounding`",
+        lambda: storage.FloatStorage(jnp.bfloat16, rounding="up"),
+    ),
+    "stochastic-rounding-dtype": Case(
+        "`FloatStorage` with `rounding='stochastic'` and a dtype other than bfloat16",
+        lambda: storage.FloatStorage(jnp.float16, rounding="stochastic"),
+    ),
+    "peak-lr-unused-but-invalid": Case(
+        "`peak_learning_rate` invalid where the decay convention does not use it",
+        lambda: od.adamw(1e-3, peak_learning_rate=-5.0),
+    ),
     "int8-cpu-kernel": Case(
         "8-bit storage with `cpu_kernel` not a bool",
         lambda: storage.BlockwiseInt8Storage(cpu_kernel="yes"),
@@ -223,6 +235,7 @@ DOCUMENTED = [
     r"^`block_size` must be a positive int",
     r"^`min_size` must be a non-negative int",
     r"^`cpu_kernel` must be True or False",
+    r"^`rounding`='stochastic' is implemented for bfloat16 storage only",
     r"^convention='\w+' divides by the peak learning rate",
     r"^`peak_learning_rate` must be a number or an array, not a schedule",
     r"^convention='\w+' needs `learning_rate`",

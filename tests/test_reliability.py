@@ -61,7 +61,13 @@ ALIASES = {
     "lion": lambda sd: od.lion(SCHED, weight_decay=0.3, state_dtype=sd),
 }  # fmt: skip
 # "int8" quantizes leaves of >= 4096 elements (the 64x64 kernel); the others stay float32.
-STATE_DTYPES = {"param": None, "bfloat16": "bfloat16", "int8": "int8"}
+STATE_DTYPES = {
+    "param": None,
+    "bfloat16": "bfloat16",
+    # seeded by the step count, which a skipped step does not advance
+    "bfloat16-stochastic": od.FloatStorage(jnp.bfloat16, "bfloat16", rounding="stochastic"),
+    "int8": "int8",
+}
 BAD_STEPS = {1: np.nan, 3: np.inf, 4: -np.inf}  # 3 and 4 are consecutive
 MAX_ERRORS = 3
 

@@ -577,8 +577,8 @@ def test_bfloat16_nu_cannot_decay_slowly():
     b2 = 0.999, ν's per-step decay (0.1%) is under half a bfloat16 ulp (0.2-0.4%), so after
     large gradients round-to-nearest writes the old ν back and it never comes down: 100
     steps of g = 1 then 2900 of g = 0.01 leave ν at 0.098 (float32: 0.0053) and the update
-    4x too small. 8-bit state, whose block scale is float32, follows float32. (If bfloat16
-    storage ever rounds stochastically, this test and the docs change together.)"""
+    4x too small. 8-bit state, whose block scale is float32, follows float32, and so does
+    bfloat16 state with stochastic rounding, on average over the elements."""
     params = {"w": jnp.zeros((4096,))}
 
     def final(state_dtype):
@@ -599,3 +599,129 @@ def test_bfloat16_nu_cannot_decay_slowly():
     assert nu32 == pytest.approx(0.00533, rel=1e-2) and u32 == pytest.approx(0.1336, rel=1e-2)
     assert nu16 == pytest.approx(0.0977, rel=1e-2) and u16 == pytest.approx(0.0319, rel=1e-2)
     assert nu8 == pytest.approx(nu32, rel=1e-2) and u8 == pytest.approx(u32, rel=1e-2)
+    nu_sr, u_sr = final(SR)  # element 0; the mean over elements is checked below
+    assert nu_sr == pytest.approx(nu32, rel=0.5) and u_sr == pytest.approx(u32, rel=0.5)
+
+
+SR = S.FloatStorage(jnp.bfloat16, "bfloat16", rounding="stochastic")
+
+
+def test_stochastic_rounding_lets_bfloat16_nu_decay():
+    """The scenario above with ``rounding="stochastic"``: ν and the update follow float32
+    on average (each element is float32's plus rounding noise of zero mean)."""
+    params = {"w": jnp.zeros((4096,))}
+    gs = jnp.concatenate([jnp.ones(100), jnp.full(2900, 0.01)])
+    out = {}
+    for name, state_dtype in (("float32", None), ("stochastic", SR)):
+        tx = od.scale_by_adam(state_dtype=state_dtype)
+
+        def body(state, g, tx=tx):
+            u, state = tx.update({"w": jnp.full((4096,), g)}, state)
+            return state, u["w"]
+
+        state, u = jax.jit(lambda s, tx=tx, body=body: jax.lax.scan(body, s, gs))(tx.init(params))
+        assert state.nu["w"].dtype == (jnp.bfloat16 if state_dtype else jnp.float32)
+        out[name] = (np.asarray(state.nu["w"], np.float64), np.asarray(u[-1], np.float64))
+    (nu32, u32), (nu_sr, u_sr) = out["float32"], out["stochastic"]
+    assert np.mean(nu_sr) == pytest.approx(nu32[0], rel=0.01)
+    assert np.mean(u_sr) == pytest.approx(u32[0], rel=0.01)
+    assert 0.01 < np.std(nu_sr) / np.mean(nu_sr) < 0.3  # noise, not a constant offset
+
+
+def _bf16_neighbours(x):
+    """The bfloat16 values next to float32 ``x``: towards zero (truncation) and away."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    down = bits & np.uint32(0xFFFF0000)
+    up = np.where(bits == down, down, down + np.uint32(0x10000))
+    return down.view(np.float32), up.view(np.float32)
+
+
+def test_stochastic_rounding_is_unbiased_and_reproducible():
+    """Each element rounds to one of its two bfloat16 neighbours; over many elements the
+    mean is the float32 value (5 standard errors); exact values, NaN and infinities stay;
+    the bits depend on the step and the stream and on nothing else."""
+    values = np.float32([1 + 2**-9, -0.7, 3e-39, 1e-30, 65504.3, 2.0, -(2.0**-130)])
+    n = 1 << 17
+    x = jnp.asarray(np.repeat(values, n))
+    r = np.asarray(S.stochastic_round_bfloat16(x, jnp.int32(5)).astype(jnp.float32))
+    for k, v in enumerate(values):
+        got = r[k * n : (k + 1) * n].astype(np.float64)
+        down, up = (float(b) for b in _bf16_neighbours(v))
+        assert np.all((got == down) | (got == up)), v
+        if down == up:
+            assert np.all(got == v)
+            continue
+        p = (float(v) - down) / (up - down)
+        sigma = abs(up - down) * np.sqrt(p * (1 - p) / n)
+        assert abs(got.mean() - float(v)) < 5 * sigma, (v, got.mean(), sigma)
+    again = S.stochastic_round_bfloat16(x, jnp.int32(5))
+    chex.assert_trees_all_equal(again.astype(jnp.float32), jnp.asarray(r))
+    other_step = S.stochastic_round_bfloat16(x, jnp.int32(6)).astype(jnp.float32)
+    other_stream = S.stochastic_round_bfloat16(x, jnp.int32(5), stream=1).astype(jnp.float32)
+    assert np.mean(np.asarray(other_step) != r) > 0.1
+    assert np.mean(np.asarray(other_stream) != r) > 0.1
+    special = jnp.float32([jnp.nan, jnp.inf, -jnp.inf, 0.0, -0.0])
+    out = S.stochastic_round_bfloat16(special, jnp.int32(1)).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(special))
+    assert np.signbit(np.asarray(out)[4])
+
+
+@pytest.mark.parametrize("name", ["adamw", "amsgrad", "lion"])
+def test_stochastic_rounding_composes(name):
+    """A storage object with stochastic rounding through jit, lax.scan (state types kept),
+    inject_hyperparams + vmap over learning rates (equal to separate runs: the bits do not
+    depend on the batch), MultiSteps and apply_if_finite; it takes XLA's program, not the
+    CPU kernel."""
+    params0 = make_params()
+
+    def train(lr):
+        tx = optax.inject_hyperparams(
+            lambda learning_rate: FACTORIES[name](learning_rate, 0.1, SR)
+        )(learning_rate=lr)
+        state = tx.init(params0)
+
+        def body(carry, t):
+            params, state = carry
+            updates, state = tx.update(grads_at(t, params), state, params)
+            return (optax.apply_updates(params, updates), state), None
+
+        return jax.lax.scan(body, (params0, state), jnp.arange(4))[0]
+
+    lrs = jnp.array([1e-3, 1e-2])
+    batched, states = jax.jit(jax.vmap(train))(lrs)
+    for i in range(2):
+        one, one_state = jax.jit(train)(lrs[i])
+        chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], batched), one, atol=1e-6)
+        chex.assert_trees_all_equal_shapes_and_dtypes(
+            one_state, train(lrs[i])[1]
+        )  # eager == jit structure; dtypes stay bfloat16
+    tx = FACTORIES[name](1e-2, 0.1, SR)
+    moments_of = [m for m in jax.tree.leaves(tx.init(params0)) if m.ndim > 0]
+    assert {m.dtype for m in moments_of} == {jnp.dtype(jnp.bfloat16)}
+    text = jax.jit(tx.update).lower(params0, tx.init(params0), params0).compile().as_text()
+    from optax_decoupled import cpu_kernel
+
+    assert cpu_kernel.BF16_TARGET not in text
+    multi = optax.MultiSteps(FACTORIES[name](1e-2, 0.1, SR), every_k_schedule=2)
+    inner = FACTORIES[name](1e-2, 0.1, SR)
+    rounds = wrapper_checks.multi_steps_vs_averaged_gradients(
+        multi, inner, params0, grads_at, every_k=2, update_multi=jax.jit(multi.update)
+    )
+    for pm, pi in rounds:
+        chex.assert_trees_all_close(pm, pi, rtol=1e-4, atol=1e-5)
+    guarded = optax.apply_if_finite(FACTORIES[name](1e-2, 0.1, SR), max_consecutive_errors=3)
+    state = guarded.init(params0)
+    bad = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), params0)
+    _, after = jax.jit(guarded.update)(bad, state, params0)
+    chex.assert_trees_all_equal(after.inner_state, state.inner_state)
+
+
+def test_stochastic_rounding_arguments():
+    with pytest.raises(ValueError, match="`rounding` must be one of"):
+        S.FloatStorage(jnp.bfloat16, "bfloat16", rounding="up")
+    with pytest.raises(ValueError, match="`rounding`='stochastic' is implemented for bfloat16"):
+        S.FloatStorage(jnp.float16, "float16", rounding="stochastic")
+    moments_fn = lambda m, g: (0.9 * m + 0.1 * g,)
+    with pytest.raises(ValueError, match="needs the step count"):
+        S.update_moments(SR, moments_fn, (jnp.zeros(3, jnp.bfloat16),), (jnp.ones(3),),
+                         like=jnp.ones(3), signed=(True,))  # fmt: skip

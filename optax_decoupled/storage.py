@@ -24,10 +24,10 @@ Accepted ``state_dtype`` values:
 ``"float32"``          float32 moments (e.g. for bfloat16/float16 parameters)
 ``"bfloat16"``         bfloat16 moments, round-to-nearest-even on write
                        (:class:`FloatStorage`; on CPU the moving averages run in a
-                       compiled kernel). With ``b2 > 0.998``, :math:`\nu` cannot
+                       compiled kernel). With ``b2 > 0.998``, :math:`\\nu` cannot
                        decay (its step is under half an ulp) unless rounded
-                       stochastically: ``FloatStorage(jnp.bfloat16, "bfloat16",
-                       rounding="stochastic")``, see ``docs/memory.md``
+                       stochastically (:class:`FloatStorage` with
+                       ``rounding="stochastic"``; ``docs/memory.md``)
 ``"float16"``          float16 moments
 ``"float64"``          float64 moments (with ``jax_enable_x64``)
 ``"int8"``             8-bit block-wise quantized moments (:class:`BlockwiseInt8Storage`

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import optax
 
-from optax_decoupled import storage
+from optax_decoupled import packing, storage
 from optax_decoupled.quantization import QuantizedArray
 
 
@@ -59,6 +59,16 @@ def state_shardings(
             param_shardings,
         )
     shapes = jax.eval_shape(tx.init, params)
+    packed = jax.tree.leaves(
+        shapes, is_leaf=lambda x: isinstance(x, packing.PackedState) or x is None
+    )
+    if any(isinstance(x, packing.PackedState) for x in packed):
+        raise ValueError(
+            "state_shardings/jit_init: this optimizer is packed (optax_decoupled.packed), and "
+            "its state lives in packed buffers, not per parameter; packed optimizers are for "
+            "unsharded parameters. Use the unpacked optimizer for sharded parameters, or "
+            "tx.init(params) for packed ones."
+        )
     return optax.tree_utils.tree_map_params(
         tx,
         storage.stored_sharding,  # 8-bit moments: codes/scales split like the leading axis

@@ -435,3 +435,20 @@ def test_module_and_function_names_are_distinct():
     assert od.PackedState is PackedState and od.PACKED_MASK is packing_module.PACKED_MASK
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("optax_decoupled.packed")
+
+
+def test_state_shardings_of_a_packed_optimizer_is_a_clear_error():
+    """Packed state has no per-parameter moments to place (packed optimizers are for
+    unsharded parameters): sharding.state_shardings/jit_init say so instead of failing on a
+    pytree mismatch, also inside chain and inject_hyperparams."""
+    from optax_decoupled import sharding
+
+    params = {"w": jnp.ones((8, 8)), "b": jnp.ones(8)}
+    for tx in (
+        od.packed(od.adamw)(1e-3),
+        optax.chain(optax.clip(1.0), od.packed(od.lion)(1e-3)),
+        optax.inject_hyperparams(od.packed(od.adamw))(learning_rate=1e-3),
+    ):
+        with pytest.raises(ValueError, match="this optimizer is packed"):
+            sharding.jit_init(tx, params)
+    sharding.jit_init(od.adamw(1e-3), params)  # unpacked: fine

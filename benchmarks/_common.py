@@ -6,6 +6,7 @@ Not part of the package (benchmarks may import torch; the core never does).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import platform
@@ -234,6 +235,7 @@ def load_average() -> list[float] | None:
 
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,

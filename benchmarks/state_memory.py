@@ -183,6 +183,7 @@ def main(argv=None) -> list[dict]:
         if args.ragged:
             shapes.append((max(1, round(n / 1000)), 1000))
     load_at_start = C.load_average()
+    machine = C.machine_info()
     results = []
     for shape in shapes:
         dtypes = ("float32", *dict.fromkeys(args.dtypes))
@@ -194,7 +195,8 @@ def main(argv=None) -> list[dict]:
         "device": str(jax.devices()[0].device_kind),
         "cpu_count": os.cpu_count(),
         # The kernels' speed depends on the CPU model, not only its features (docs/memory.md).
-        "cpu": C.machine_info().get("cpu"),
+        "cpu": machine.get("cpu"),
+        "date_utc": machine["date_utc"],
         "load_average_at_start": load_at_start,
         "python": platform.python_version(),
         "repeats": args.repeats,

@@ -236,16 +236,20 @@ def resolve_mask(mask: MaskArg, params: Any, *, argument: str = "mask") -> Any:
 def warn_if_auto_decays_nothing(mask: MaskArg, decays: Any, weight_decay: Any, who: str) -> None:
     """A :class:`UserWarning` when ``mask="auto"`` decays none of the parameters although the
     weight decay is not zero: e.g. under ``optax.flatten``, which hands the transform one
-    1-D vector, or for a tree of biases and scalars. Silent otherwise (and for a traced
-    weight decay that is zero)."""
+    1-D vector, or for a tree of biases and scalars. Silent otherwise, and when the weight
+    decay is a concrete zero (a number or a concrete array, as ``inject_hyperparams`` passes
+    it to ``init``); a traced one counts as not zero."""
     if not (isinstance(mask, str) and mask == "auto"):
         return
     leaves = jax.tree.leaves(decays)
     if not leaves or any(leaves):
         return
-    if isinstance(weight_decay, int | float) and not isinstance(weight_decay, bool):
-        if weight_decay == 0:
-            return
+    if not isinstance(weight_decay, jax.core.Tracer) and not callable(weight_decay):
+        try:
+            if np.all(np.asarray(weight_decay) == 0):
+                return
+        except (TypeError, ValueError):  # not a number: validated elsewhere
+            pass
     warnings.warn(
         f"{who}: mask='auto' decays none of these parameters (it decays leaves with "
         "ndim >= 2 whose names are not biases, norms or SSM parameters), so the weight decay "

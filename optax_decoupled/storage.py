@@ -13,7 +13,8 @@ read-modify-write that :func:`update_moments` uses when it exists (8-bit storage
 ``signed`` says whether the moment can be negative (:math:`\\mu`) or not (:math:`\\nu`), which
 matters to quantized storage. The update itself is always computed in the compute dtype:
 ``promote_types(storage dtype, gradient dtype)``, and at least float32 for bfloat16, float16
-and 8-bit storage (with ``None``, the parameter's dtype: what Optax computes in). So
+and 8-bit storage (with ``None``, ``promote_types(parameter dtype, gradient dtype)``: what
+Optax computes in). So
 low-precision storage changes only what
 is kept between steps, never the arithmetic of one step.
 
@@ -200,6 +201,7 @@ def _mix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def stochastic_round_bfloat16(x: jax.Array, step: jax.Array, stream: int = 0) -> jax.Array:
     r"""``x`` rounded to bfloat16 up or down at random, unbiased (a wider ``x`` is first
     rounded to float32):
@@ -218,8 +220,11 @@ def stochastic_round_bfloat16(x: jax.Array, step: jax.Array, stream: int = 0) ->
     bits are a hash of the element's (row-major) index, ``step`` and ``stream``, so a step
     is reproducible (a resumed run rounds as the original did) and no key is stored;
     elements at the same index of different leaves share their bits, which correlates
-    their roundings but biases none. NaN stays NaN, infinities stay infinite; a value
-    within half a bfloat16 ulp of the largest float32 may round to infinity.
+    their roundings but biases none (inside ``shard_map`` the index is the shard's own, so
+    shards share bits and the rounding differs from an unsharded run's, still unbiased).
+    NaN stays NaN, infinities stay infinite; a finite value above the largest bfloat16 may
+    round to infinity. Derivatives pass straight through, as for rounding to nearest
+    (``x.astype(jnp.bfloat16)``).
     """
     x = jnp.asarray(x, jnp.float32)
     index = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 0) if x.ndim else jnp.uint32(0)
@@ -236,6 +241,14 @@ def stochastic_round_bfloat16(x: jax.Array, step: jax.Array, stream: int = 0) ->
     finite = jnp.isfinite(x)  # keeps NaN payloads and infinities as they are
     out = jax.lax.bitcast_convert_type(jnp.where(finite, rounded, bits), jnp.float32)
     return out.astype(jnp.bfloat16)  # exact where finite: the low 16 bits are zero
+
+
+@stochastic_round_bfloat16.defjvp
+def _stochastic_round_jvp(stream, primals, tangents):
+    x, step = primals
+    dx, _ = tangents
+    out = stochastic_round_bfloat16(x, step, stream)
+    return out, jnp.asarray(dx, jnp.float32).astype(jnp.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)

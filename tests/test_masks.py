@@ -247,6 +247,10 @@ def test_auto_mask_that_decays_nothing_is_warned_about():
     quiet = [
         lambda: od.adamw(1e-2, weight_decay=0.5).init(params),
         lambda: od.adamw(1e-2, weight_decay=0.0).init({"b": jnp.ones(4)}),
+        lambda: od.adamw(1e-2, weight_decay=jnp.float32(0)).init({"b": jnp.ones(4)}),
+        lambda: optax.inject_hyperparams(od.adamw)(learning_rate=1e-3, weight_decay=0.0).init(
+            {"b": jnp.ones(4)}
+        ),
         lambda: optax.flatten(od.adamw(1e-2, weight_decay=0.5, mask=None)).init(params),
     ]
     for init in quiet:

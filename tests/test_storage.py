@@ -573,7 +573,7 @@ def test_leading_axis_sharding_maps_to_whole_blocks():
 
 
 def test_bfloat16_nu_cannot_decay_slowly():
-    """A documented limit of bfloat16 state (docs/memory.md, *bfloat16 state*): with
+    """A documented limit of bfloat16 state (docs/memory.md, *Does it change the result?*): with
     b2 = 0.999, ν's per-step decay (0.1%) is under half a bfloat16 ulp (0.2-0.4%), so after
     large gradients round-to-nearest writes the old ν back and it never comes down: 100
     steps of g = 1 then 2900 of g = 0.01 leave ν at 0.098 (float32: 0.0053) and the update
@@ -714,6 +714,30 @@ def test_stochastic_rounding_composes(name):
     bad = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), params0)
     _, after = jax.jit(guarded.update)(bad, state, params0)
     chex.assert_trees_all_equal(after.inner_state, state.inner_state)
+
+
+def test_derivatives_pass_straight_through_stochastic_rounding():
+    """As through rounding to nearest: the rounding's tangent is the input's, so a
+    meta-gradient through steps with stochastically rounded state is float32's up to the
+    rounding noise (it was 0: the bit manipulation has no derivative)."""
+    x = jnp.linspace(-2.0, 2.0, 7)
+    _, tangent = jax.jvp(lambda x: S.stochastic_round_bfloat16(x, jnp.int32(3)), (x,), (x,))
+    _, nearest = jax.jvp(lambda x: x.astype(jnp.bfloat16), (x,), (x,))
+    np.testing.assert_array_equal(np.asarray(tangent, np.float32), np.asarray(nearest, np.float32))
+    params = {"w": jnp.linspace(-1.0, 1.0, 6400).reshape(64, 100)}
+
+    def meta(b1, state_dtype):
+        tx = optax.inject_hyperparams(od.adamw)(learning_rate=0.05, b1=b1, state_dtype=state_dtype)
+        p, state = params, tx.init(params)
+        for _ in range(3):
+            u, state = tx.update(jax.tree.map(jnp.sin, p), state, p)
+            p = optax.apply_updates(p, u)
+        return jnp.sum(p["w"] ** 2)
+
+    want = jax.grad(meta)(jnp.float32(0.8), None)
+    got = jax.grad(meta)(jnp.float32(0.8), SR)
+    assert abs(float(want)) > 1.0
+    np.testing.assert_allclose(float(got), float(want), rtol=0.02)
 
 
 def test_stochastic_rounding_arguments():

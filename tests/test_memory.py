@@ -160,3 +160,16 @@ def test_quality_comparison_smoke():
     assert [r["state_dtype"] for r in rows] == ["float32", "int8"]
     assert rows[0]["gap_vs_float32"] == 0.0
     assert all(np.isfinite(r["val_loss_mean"]) for r in rows)
+
+
+def test_nu_decay_table():
+    """The notebook's table of the bfloat16 ν pitfall: round-to-nearest bfloat16 stays near
+    the peak (over 10x float32's ν), stochastic rounding and 8-bit follow float32."""
+    rows = {r["state_dtype"]: r for r in R.nu_decay(high_steps=100, low_steps=2900)}
+    assert list(rows)[0] == "float32" and rows["float32"]["nu_vs_float32"] == 0
+    assert rows["bfloat16"]["nu_mean"] > 10 * rows["float32"]["nu_mean"]
+    assert rows["bfloat16"]["update_vs_float32"] < -0.5
+    for name in ("bfloat16, stochastic rounding", "int8 (B=256, all tensors)"):
+        assert abs(rows[name]["nu_vs_float32"]) < 0.01, rows[name]
+        assert abs(rows[name]["update_vs_float32"]) < 0.01, rows[name]
+    assert rows["bfloat16, stochastic rounding"]["nu_spread"] > 0.01  # noise, unbiased

@@ -420,6 +420,49 @@ def quality_comparison(config: QualityConfig = QualityConfig(), *, progress: boo
 # ---------------------------------------------------------------------------------------------
 
 
+def nu_decay(
+    high_steps: int = 100, low_steps: int = 2900, size: int = 4096
+) -> list[dict[str, Any]]:
+    r"""Whether a stored :math:`\nu` can come down: Adam (``b2 = 0.999``) on ``size`` equal
+    elements, ``high_steps`` steps of :math:`g = 1` then ``low_steps`` of :math:`g = 0.01`,
+    per state dtype: the final :math:`\nu` (mean over the elements, and their spread
+    relative to it) and the last update's mean, next to float32's. Round-to-nearest
+    bfloat16 cannot shrink :math:`\nu` by less than half an ulp per step, so it stays near
+    its peak; stochastic rounding and 8-bit state follow float32 (``docs/memory.md``)."""
+    storages = {
+        "float32": None,
+        "bfloat16": "bfloat16",
+        "bfloat16, stochastic rounding": storage_lib.FloatStorage(
+            jnp.bfloat16, "bfloat16", rounding="stochastic"
+        ),
+        "int8 (B=256, all tensors)": storage_lib.BlockwiseInt8Storage(min_size=0),
+    }
+    gs = jnp.concatenate([jnp.ones(high_steps), jnp.full(low_steps, 0.01)])
+    params = {"w": jnp.zeros((size,))}
+    rows = []
+    for name, state_dtype in storages.items():
+        tx = od.scale_by_adam(state_dtype=state_dtype)
+
+        def body(state, g, tx=tx):
+            u, state = tx.update({"w": jnp.full((size,), g)}, state)
+            return state, u["w"]
+
+        state, u = jax.jit(lambda s, body=body: jax.lax.scan(body, s, gs))(tx.init(params))
+        nu = np.asarray(
+            storage_lib.resolve_storage(state_dtype).read(state.nu["w"], params["w"]), np.float64
+        )
+        rows.append({
+            "state_dtype": name,
+            "nu_mean": float(nu.mean()),
+            "nu_spread": float(nu.std() / nu.mean()),
+            "update_mean": float(np.mean(np.asarray(u[-1], np.float64))),
+        })  # fmt: skip
+    for row in rows:
+        row["nu_vs_float32"] = row["nu_mean"] / rows[0]["nu_mean"] - 1
+        row["update_vs_float32"] = row["update_mean"] / rows[0]["update_mean"] - 1
+    return rows
+
+
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,
                    formats: dict[str, str] | None = None) -> str:  # fmt: skip
     """A Markdown table of ``rows`` (dicts); ``formats`` maps a column to a format spec or to

@@ -52,8 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
 
-STATE_DTYPES = ("float32", "bfloat16", "bfloat16-xla", "bfloat16-sr", "int8", "int8-loop")
-#: Column labels of the dtypes.
+#: The state dtypes this benchmark can time (float32 first: the anchor) and their column labels.
 LABELS = {
     "float32": "fp32",
     "bfloat16": "bf16",
@@ -62,6 +61,7 @@ LABELS = {
     "int8": "int8",
     "int8-loop": "int8, XLA loop",
 }
+STATE_DTYPES = tuple(LABELS)
 #: Environment variables that tune glibc's or jemalloc's allocator (recorded with the results).
 MALLOC_ENV = ("GLIBC_TUNABLES", "MALLOC_", "LD_PRELOAD")
 

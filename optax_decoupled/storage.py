@@ -227,11 +227,7 @@ def stochastic_round_bfloat16(x: jax.Array, step: jax.Array, stream: int = 0) ->
     (``x.astype(jnp.bfloat16)``).
     """
     x = jnp.asarray(x, jnp.float32)
-    index = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 0) if x.ndim else jnp.uint32(0)
-    for axis in range(1, x.ndim):
-        index = index * jnp.uint32(x.shape[axis]) + jax.lax.broadcasted_iota(
-            jnp.uint32, x.shape, axis
-        )
+    index = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape)  # row-major element index
     seed = _mix32(
         jnp.asarray(step).astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + jnp.uint32(stream + 1)
     )

@@ -195,25 +195,27 @@ def run_part(
     directory: str | os.PathLike,
     *,
     force: bool = False,
+    rerun: bool = False,
     progress: bool = True,
     config_chunk: int | str | None = "auto",
 ) -> tuple[dict[str, Any], float, bool]:
     """Runs one part into ``directory`` unless its completion marker says it is done at this
-    scale (a finished run at another scale raises :class:`OutputConflict` unless ``force``).
-    Returns ``(results, wall time in seconds, skipped)``. ``config_chunk`` goes to the
-    parts that train grids (:data:`GRID_PARTS`)."""
+    scale (a finished run at another scale raises :class:`OutputConflict` unless ``force``;
+    ``rerun`` replaces one at the same scale, as the single-part subcommands do). Returns
+    ``(results, wall time in seconds, skipped)``. ``config_chunk`` goes to the parts that
+    train grids (:data:`GRID_PARTS`)."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     marker, results = directory / "complete.json", directory / "results.json"
     done = None if force else _finished(directory)
-    if done is not None:
-        if done.get("scale") == scale:
-            return json.loads(results.read_text()), float(done["wall_time_s"]), True
+    if done is not None and done.get("scale") != scale:
         raise OutputConflict(
             f"{directory} holds a finished {done.get('scale')!r} run of {part!r}; pass --force "
             f"(force=True) to replace it with a {scale!r} run, or choose another output "
             "directory."
         )
+    if done is not None and not rerun:
+        return json.loads(results.read_text()), float(done["wall_time_s"]), True
     marker.unlink(missing_ok=True)
     t0 = time.perf_counter()
     options = {"config_chunk": config_chunk} if part in GRID_PARTS else {}
@@ -382,20 +384,15 @@ def run_part_cli(part: str, args: argparse.Namespace, summary: Callable[[dict], 
     same scale in ``--out`` is replaced; one at another scale (e.g. the report's) only with
     ``--force``."""
     scale = _cli_scale(part, args)
-    done = _finished(pathlib.Path(args.out))
-    if done is not None and done.get("scale") != scale and not args.force:
-        print(
-            f"optax-decoupled {part}: error: {args.out} holds a finished {done.get('scale')!r} "
-            f"run of {part!r}; pass --force to replace it with a {scale!r} run, or choose "
-            "another --out.",
-            file=sys.stderr,
-        )
-        return 2
     xla_setup.configure_cpu()  # before any JAX work: fast loops, a CPU device per core
-    doc, wall, _ = run_part(
-        part, scale, args.out, force=True, progress=not args.no_progress,
-        config_chunk=getattr(args, "config_chunk", "auto"),
-    )  # fmt: skip
+    try:
+        doc, wall, _ = run_part(
+            part, scale, args.out, force=args.force, rerun=True, progress=not args.no_progress,
+            config_chunk=getattr(args, "config_chunk", "auto"),
+        )  # fmt: skip
+    except OutputConflict as e:
+        print(f"optax-decoupled {part}: error: {e}", file=sys.stderr)
+        return 2
     print(summary(doc))
     print(f"\n{wall:.1f} s; results in {args.out}")
     return 0

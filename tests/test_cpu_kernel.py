@@ -433,7 +433,7 @@ def test_inside_shard_map_the_loop_is_used():
     the update takes XLA's loop (its results carry shard_map's manual-axis types), and
     equals the single-device run, which calls the kernel, up to float32 rounding."""
     P = jax.sharding.PartitionSpec
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("configs",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("configs",))
     tx = od.adamw(1e-2, weight_decay=0.1, mask=None, state_dtype=BlockwiseInt8Storage(min_size=0))
 
     def train(p):

@@ -76,6 +76,16 @@ def run(args, *, timeout=300, **kwargs):
     return proc.stdout
 
 
+def test_build_requirements_can_read_the_license_expression():
+    """``license = "Apache-2.0"`` (an SPDX expression, PEP 639) is an error to setuptools
+    before 77, which an isolated build never meets (it takes the newest) but a build with
+    ``--no-build-isolation`` does: the declared minimum must be one that reads the file."""
+    text = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^license\s*=\s*"', text, re.M), "the license is no longer an expression"
+    minimum = re.search(r'"setuptools>=(\d+)', text)
+    assert minimum and int(minimum.group(1)) >= 77, minimum
+
+
 def test_import_loads_no_experiment_dependencies():
     out = run([sys.executable, "-c", CHECK_IMPORTS])
     assert out.strip() == optax_decoupled.__version__

@@ -186,6 +186,22 @@ def test_vmapped_batch_equals_runs_one_by_one():
             assert other.x_tail_mean[i] == pytest.approx(one.x_tail_mean[0], abs=1e-6)
 
 
+def test_simulations_run_on_the_cpu_unless_told_otherwise():
+    """The scalar loops run on the CPU device by default, also where the default device is a
+    GPU (which runs them orders of magnitude slower, see simulation_device); a device passed
+    explicitly is used, with the same results up to the backends' float32 rounding."""
+    runs = [reddi.Run("adam"), reddi.Run("amsgrad_paper"), reddi.Run("sgd", 0.1, seed=1)]
+    cpu = jax.devices("cpu")[0]
+    assert reddi.simulation_device() == cpu
+    res = reddi.simulate(THEOREM3, runs, 300)
+    assert res.device == str(cpu)
+    default = jax.devices()[0]  # a GPU where there is one
+    other = reddi.simulate(THEOREM3, runs, 300, device=default)
+    assert other.device == str(default)
+    np.testing.assert_allclose(other.x, res.x, rtol=1e-5, atol=1e-6)
+    assert reddi.simulation_device(default) == default
+
+
 def test_phase_diagram_and_eps_sweep_shapes_and_values():
     b1, b2 = reddi.phase_grid(3, "linear")
     d = reddi.phase_diagram(THEOREM1, b1, b2, 600)

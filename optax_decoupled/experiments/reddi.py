@@ -230,10 +230,11 @@ def gradient(problem: Problem, t: jax.Array, key: jax.Array | None = None) -> ja
 
 def gradient_sequence(problem: Problem, steps: int, seed: int = 0) -> np.ndarray:
     r""":math:`(g_1, \dots, g_T)` (NumPy float32): exactly what a run with ``seed`` sees."""
-    if problem.kind == "online":
-        t = jnp.arange(1, steps + 1, dtype=jnp.int32)
-        return np.asarray(jax.vmap(lambda s: gradient(problem, s))(t))
-    big = np.asarray(_draws(problem, [seed], steps))[:, 0]
+    with jax.default_device(simulation_device()):
+        if problem.kind == "online":
+            t = jnp.arange(1, steps + 1, dtype=jnp.int32)
+            return np.asarray(jax.vmap(lambda s: gradient(problem, s))(t))
+        big = np.asarray(_draws(problem, [seed], steps))[:, 0]
     return np.where(big, problem.big, -problem.small).astype(np.float32)
 
 
@@ -375,6 +376,7 @@ class SimResult:
         last one; robust to the oscillation of constant step sizes).
       compile_s, run_s: compilation and execution wall time in seconds (``compile_s`` is about
         0 when the same program was compiled before in this process).
+      device: the device the program ran on (:func:`simulation_device`).
     """
 
     problem: Problem
@@ -388,6 +390,7 @@ class SimResult:
     x_tail_mean: np.ndarray
     compile_s: float
     run_s: float
+    device: str = ""
 
     @property
     def expected_gap(self) -> np.ndarray:
@@ -495,6 +498,26 @@ def _program(problem: Problem, opts: tuple[str, ...], steps: int, tail_from: int
 _COMPILED: dict[Any, Any] = {}
 
 
+def simulation_device(device: jax.Device | None = None) -> jax.Device:
+    r"""Where :func:`simulate` runs: ``device`` if given, else the first CPU device (the
+    default device where JAX has no CPU backend, e.g. under ``JAX_PLATFORMS=cuda``).
+
+    A simulation is a sequential loop over scalars, :math:`10^5`-:math:`10^7` steps of a few
+    flops per run. On a CPU a step costs nanoseconds; on a GPU each step is a kernel launch or
+    more, so the same loop is one to two orders of magnitude slower there. Measured with the
+    test suite (2026-11-30): ``test_regret_kahan_sum_is_accurate_over_many_steps`` 0.44 s on 2
+    Intel Xeon cores, 48.7 s on an H200 (jax 0.11.2); the 14 runs of :math:`10^7` steps of
+    ``test_reddi_theorem1_ten_million_float32_steps`` 3.1 s on the CPU, unfinished after
+    230 s on the H200.
+    """
+    if device is not None:
+        return device
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # no CPU backend in this process
+        return jax.devices()[0]
+
+
 def simulate(
     problem: Problem,
     runs: Sequence[Run],
@@ -502,6 +525,7 @@ def simulate(
     *,
     record: Sequence[int] | np.ndarray | None = None,
     dispatch: str = "group",
+    device: jax.Device | None = None,
 ) -> SimResult:
     r"""Runs every :class:`Run` on ``problem`` for ``steps`` steps in one compiled program.
 
@@ -524,6 +548,8 @@ def simulate(
         increasing, in ``[1, T]``); default :func:`log_steps`, aligned to the period of an
         online problem.
       dispatch: ``"group"`` or ``"switch"``.
+      device: where to run; default :func:`simulation_device`'s choice, the CPU, also on a
+        machine with a GPU (a GPU runs these scalar loops far slower).
 
     Raises:
       ValueError: for no runs, ``steps < 1``, a bad ``record`` or an unknown ``dispatch``.
@@ -541,19 +567,21 @@ def simulate(
     if rec.ndim != 1 or rec.size == 0 or rec[0] < 1 or rec[-1] > steps or np.any(np.diff(rec) <= 0):
         raise ValueError("`record` must be strictly increasing steps in [1, steps].")
     opts = tuple(r.optimizer for r in runs)
-    hp = _hyperparameters(runs, tuple(dict.fromkeys(opts)))
     tail_from = steps - max(1, steps // 10) + 1  # the last 10%, at least the last step
-    rec_j = jnp.asarray(rec, jnp.int32)
-    t0 = time.perf_counter()
-    draws = _draws(problem, sorted({r.seed for r in runs}), steps)
-    key = (problem, opts, steps, rec.size, tail_from, dispatch, draws.shape)
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        compiled = _program(problem, opts, steps, tail_from, dispatch).lower(hp, rec_j, draws)
-        compiled = _COMPILED[key] = compiled.compile()
-    t1 = time.perf_counter()
-    out = jax.block_until_ready(compiled(hp, rec_j, draws))
-    t2 = time.perf_counter()
+    dev = simulation_device(device)
+    with jax.default_device(dev):  # the inputs, hence the compiled program, on `dev`
+        hp = _hyperparameters(runs, tuple(dict.fromkeys(opts)))
+        rec_j = jnp.asarray(rec, jnp.int32)
+        t0 = time.perf_counter()
+        draws = _draws(problem, sorted({r.seed for r in runs}), steps)
+        key = (problem, opts, steps, rec.size, tail_from, dispatch, draws.shape, dev)
+        compiled = _COMPILED.get(key)
+        if compiled is None:
+            program = _program(problem, opts, steps, tail_from, dispatch)
+            compiled = _COMPILED[key] = program.lower(hp, rec_j, draws).compile()
+        t1 = time.perf_counter()
+        out = jax.block_until_ready(compiled(hp, rec_j, draws))
+        t2 = time.perf_counter()
     out = {k: np.asarray(v, np.float64) for k, v in out.items()}
     return SimResult(
         problem=problem,
@@ -567,6 +595,7 @@ def simulate(
         x_tail_mean=out["x_tail_mean"],
         compile_s=t1 - t0,
         run_s=t2 - t1,
+        device=str(dev),
     )
 
 
@@ -900,8 +929,8 @@ def run_experiment(
     ``results.json`` (``"schema": "optax_decoupled.reddi/1"``):
 
     * ``settings`` (the :class:`Config`), ``versions`` (python, jax, jaxlib, optax, numpy,
-      optax_decoupled), ``device`` (``str(jax.devices()[0])``), ``platform``, ``cpu_count``,
-      ``xla_flags``.
+      optax_decoupled), ``device`` (where the simulations ran, :func:`simulation_device`),
+      ``platform``, ``cpu_count``, ``xla_flags``.
     * ``comparisons[problem]``: ``problem`` (its definition, ``x_star``, ``mean_gradient``,
       ``rms_gradient``), ``steps``, ``compile_s``, ``run_s``; ``runs``, one per run: the
       :class:`Run` fields, ``label``, ``x_final``, ``x_tail_mean``, ``avg_regret``
@@ -929,8 +958,8 @@ def run_experiment(
         "schema": "optax_decoupled.reddi/1",
         "settings": dataclasses.asdict(config),
         "versions": versions(),
-        "device": str(jax.devices()[0]),
-        "platform": jax.devices()[0].platform,
+        "device": str(simulation_device()),
+        "platform": simulation_device().platform,
         "cpu_count": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "comparisons": {},

@@ -12,8 +12,11 @@ r"""Memory accounting: optimizer-state bytes and the compiled memory of a traini
   and :func:`training_memory` adds weights and gradients to the optimizer state.
 
 What is counted: *array* bytes (``size * itemsize``) of the leaves, including the step
-counts and, for 8-bit storage, the per-block float32 scales. Python objects, the XLA
-executable, allocator padding and fragmentation are not.
+counts and, for 8-bit storage, the per-block float32 scales; a typed PRNG key counts its key
+data (e.g. two uint32 per threefry key). Python objects, the XLA executable, allocator
+padding and fragmentation are not. :func:`state_bytes` counts whole (global) arrays, also
+when they are sharded; :func:`step_memory` reports what XLA assigns on *one* device, so for
+a sharded step its arguments are one device's shards.
 """
 
 from __future__ import annotations
@@ -29,8 +32,15 @@ import numpy as np
 MOMENTS_PER_PARAM = {"sgd_momentum": 1, "lion": 1, "adamw": 2, "adam_l2": 2, "amsgrad": 3}
 
 
+def _is_prng_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def leaf_bytes(x: Any) -> int:
-    """Bytes of one array-like leaf (``jax.Array``, ``np.ndarray``, ``ShapeDtypeStruct``)."""
+    """Bytes of one array-like leaf (``jax.Array``, ``np.ndarray``, ``ShapeDtypeStruct``; a
+    typed PRNG key array counts its key data)."""
+    if _is_prng_key(x):
+        x = jax.eval_shape(jax.random.key_data, x)
     shape = np.shape(x) if not hasattr(x, "shape") else x.shape
     dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
     return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -79,7 +89,8 @@ def _path_str(path: tuple[Any, ...]) -> str:
 def state_bytes(opt_state: Any, params: Any = None) -> StateBytes:
     """Bytes of every array in ``opt_state``; per parameter when ``params`` is given.
 
-    ``opt_state`` and ``params`` may hold arrays or ``jax.ShapeDtypeStruct`` s.
+    ``opt_state`` and ``params`` may hold arrays or ``jax.ShapeDtypeStruct`` s. Sharded
+    arrays count whole (the bytes of all shards together, replicas once), as their shapes say.
     """
     per_leaf: dict[str, int] = {}
     by_dtype: dict[str, int] = {}
@@ -88,7 +99,10 @@ def state_bytes(opt_state: Any, params: Any = None) -> StateBytes:
             continue
         n = leaf_bytes(leaf)
         per_leaf[_path_str(path)] = n
-        name = np.dtype(leaf.dtype).name if hasattr(leaf, "dtype") else type(leaf).__name__
+        if _is_prng_key(leaf):
+            name = str(leaf.dtype)  # e.g. "key<fry>"
+        else:
+            name = np.dtype(leaf.dtype).name if hasattr(leaf, "dtype") else type(leaf).__name__
         by_dtype[name] = by_dtype.get(name, 0) + n
     return StateBytes(
         per_leaf=per_leaf,
@@ -144,7 +158,9 @@ def step_memory(
     ``fn`` may be a plain function (it is wrapped in ``jax.jit`` with ``donate_argnums`` and
     ``static_argnums``) or an already jitted one (anything with ``.lower``), which carries
     its own (passing either here too is an error: it would be ignored). Arguments may be
-    arrays or ``jax.ShapeDtypeStruct`` s; nothing runs.
+    arrays or ``jax.ShapeDtypeStruct`` s; nothing runs. The numbers are XLA's for one device:
+    for a program sharded over several, one device's buffers (its shards), unlike
+    :func:`state_bytes`, which counts whole arrays.
     """
     if hasattr(fn, "lower"):
         for name, value in (("donate_argnums", donate_argnums), ("static_argnums", static_argnums)):

@@ -24,6 +24,19 @@ def test_leaf_bytes_and_num_params():
     assert memory.num_params({"a": jax.ShapeDtypeStruct((7, 3), jnp.float32)}) == 21
 
 
+def test_typed_prng_keys_count_their_key_data():
+    """optax.add_noise keeps a typed key in its state (threefry: two uint32 per key)."""
+    keys = jax.random.split(jax.random.key(0), 5)
+    assert memory.leaf_bytes(keys) == 5 * 2 * 4
+    assert memory.leaf_bytes(jax.ShapeDtypeStruct((5,), keys.dtype)) == 40
+    tx = optax.chain(optax.add_noise(0.1, 0.55, key=jax.random.key(0)), od.adamw(1e-3, mask=None))
+    sb = memory.state_bytes(tx.init(PARAMS), PARAMS)
+    key_leaves = {k: v for k, v in sb.per_leaf.items() if "rng_key" in k}
+    assert list(key_leaves.values()) == [8]
+    assert sb.by_dtype["key<fry>"] == 8
+    assert sb.total == 8 * N + 8 + sum(v for k, v in sb.per_leaf.items() if "count" in k)
+
+
 @pytest.mark.parametrize(
     ("state_dtype", "expected"),
     [

@@ -213,6 +213,15 @@ def _match_tree(mask_tree: Any, params: Any, argument: str) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [by_path[k] for k in p_paths])
 
 
+def is_params_placeholder(params: Any) -> bool:
+    """Whether ``params`` is the stand-in that ``optax.tree_utils.tree_map_params`` (used by
+    :func:`optax_decoupled.sharding.state_shardings`) passes to ``init`` in place of the whole
+    parameter tree: one object with no leaves, against which a mask pytree cannot be checked.
+    An ``init`` whose state does not depend on the mask skips the check for it."""
+    cls = type(params)
+    return cls.__name__ == "_ParamsPlaceholder" and cls.__module__.startswith("optax.")
+
+
 def resolve_mask(mask: MaskArg, params: Any, *, argument: str = "mask") -> Any:
     """Resolves any accepted ``mask`` form into a pytree of bools shaped like ``params``.
 

@@ -69,14 +69,24 @@ def state_shardings(
             "unsharded parameters. Use the unpacked optimizer for sharded parameters, or "
             "tx.init(params) for packed ones."
         )
-    return optax.tree_utils.tree_map_params(
-        tx,
-        storage.stored_sharding,  # 8-bit moments: codes/scales split like the leading axis
-        shapes,
-        param_shardings,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, QuantizedArray),
-    )
+    try:
+        return optax.tree_utils.tree_map_params(
+            tx,
+            storage.stored_sharding,  # 8-bit moments: codes/scales split like the leading axis
+            shapes,
+            param_shardings,
+            transform_non_params=lambda _: replicated,
+            is_leaf=lambda x: isinstance(x, QuantizedArray),
+        )
+    except ValueError as e:
+        raise ValueError(
+            "state_shardings/jit_init: cannot match this optimizer's state to the parameters. "
+            "optax.tree_utils.tree_map_params, which finds the parameter-shaped parts of the "
+            "state, failed; it does for optax.masked (its state has the masked tree's "
+            "structure), also with optax's own optimizers. Give the decay mask to this "
+            "package's transforms instead (mask=...), or call tx.init(params) and place the "
+            f"state yourself. ({type(e).__name__}: {str(e).splitlines()[0]})"
+        ) from e
 
 
 def jit_init(tx: optax.GradientTransformation, params: Any) -> Any:

@@ -139,8 +139,9 @@ def add_l2_gradient(
 
     def init_fn(params):
         V.check_param_dtypes(params, "add_l2_gradient")
-        decays = masks_lib.resolve_mask(mask, params)
-        masks_lib.warn_if_auto_decays_nothing(mask, decays, weight_decay, "add_l2_gradient")
+        if not masks_lib.is_params_placeholder(params):  # the state does not depend on it
+            decays = masks_lib.resolve_mask(mask, params)
+            masks_lib.warn_if_auto_decays_nothing(mask, decays, weight_decay, "add_l2_gradient")
         return AddL2GradientState(count=jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
@@ -273,8 +274,11 @@ def decoupled_weight_decay(
 
     def init_fn(params):
         V.check_param_dtypes(params, "decoupled_weight_decay")
-        decays = masks_lib.resolve_mask(mask, params)
-        masks_lib.warn_if_auto_decays_nothing(mask, decays, weight_decay, "decoupled_weight_decay")
+        if not masks_lib.is_params_placeholder(params):  # the state does not depend on it
+            decays = masks_lib.resolve_mask(mask, params)
+            masks_lib.warn_if_auto_decays_nothing(
+                mask, decays, weight_decay, "decoupled_weight_decay"
+            )
         return DecoupledWeightDecayState(count=jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):

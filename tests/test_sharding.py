@@ -28,8 +28,8 @@ STATE_DTYPES = ["None", "bfloat16", "int8"]
 
 def test_every_state_leaf_has_its_parameters_sharding():
     results = run_program("sharding_check.py", *STATE_DTYPES)
-    # (explicit, auto) meshes x aliases x dtypes, int8 included on both kinds of mesh, and
-    # parameters on one device next to sharded ones
-    assert len(results) == 2 * 4 * len(STATE_DTYPES) + 1
+    # (explicit, auto) meshes x aliases x dtypes, int8 included on both kinds of mesh,
+    # parameters on one device next to sharded ones, and decay masks given as pytrees
+    assert len(results) == 2 * 4 * len(STATE_DTYPES) + 2
     failures = {case: problems for case, problems in results.items() if problems}
     assert not failures, failures

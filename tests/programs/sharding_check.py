@@ -66,6 +66,7 @@ def main(state_dtypes):
     ):
         run_mesh(kind, mesh, state_dtypes, results)
     results["mixed-devices"] = check_mixed_devices(jax.make_mesh((8,), ("fsdp",)))
+    results["masks"] = check_masks(jax.make_mesh((8,), ("fsdp",)))
     print(json.dumps(results))
 
 
@@ -89,6 +90,34 @@ def check_mixed_devices(mesh):
     empty = sharding.state_shardings(od.adamw(1e-3), {})
     if empty[0].count != jax.sharding.SingleDeviceSharding(jax.devices()[0]):
         problems.append(f"no parameters: count has {empty[0].count}")
+    return problems
+
+
+def check_masks(mesh):
+    """jit_init with a pytree decay mask (optax's tree_map_params hands init a placeholder for
+    the parameters, which a mask pytree cannot be checked against): every moment on its
+    parameter's sharding. optax.masked, whose state tree_map_params cannot map: a clear error."""
+    problems = []
+    params = {
+        "w": jax.device_put(jnp.ones((64, 256)), NamedSharding(mesh, P("fsdp"))),
+        "b": jax.device_put(jnp.ones((256,)), NamedSharding(mesh, P())),
+    }
+    mask = {"w": True, "b": False}
+    for name, tx in (
+        ("adamw", od.adamw(1e-3, mask=mask)),
+        ("adam_l2", od.adam_l2(1e-3, weight_decay=0.1, mask=mask)),
+        ("lion", od.lion(1e-4, mask=lambda p: {"w": True, "b": False})),
+    ):
+        try:
+            check_moments(tx, sharding.jit_init(tx, params), params, f"{name} mask", problems)
+        except ValueError as e:
+            problems.append(f"{name}: {e}")
+    try:
+        sharding.jit_init(optax.masked(od.adamw(1e-3), mask), params)
+        problems.append("optax.masked: no error")
+    except ValueError as e:
+        if "optax.masked" not in str(e):
+            problems.append(f"optax.masked: unclear error {e}")
     return problems
 
 

@@ -42,6 +42,12 @@ XLA contracts multiply-adds into FMAs within a fusion, and the fusions differ, s
 to float rounding, as a jitted and an eager run of the same optimizer do
 (``tests/test_packed.py``).
 
+One more exception: bfloat16 moments with stochastic rounding
+(``FloatStorage(..., rounding="stochastic")``) draw their random bits from an element's index
+in its array, which in a packed buffer is its offset there, not its index in the leaf: packed
+and unpacked runs round differently (both without bias), so they agree on average, not bit
+for bit.
+
 Not for: transforms that need a leaf's shape or whole leaves (``optax.scale_by_trust_ratio`` and
 other layer-wise rules, per-leaf norms, Shampoo-style preconditioners), and block-wise quantized
 moments, whose blocks would then straddle leaves (valid, but not identical to per-leaf blocks).
@@ -325,7 +331,7 @@ def _check_not_sharded(params: Any) -> None:
 
 
 def packed_transform(
-    inner: optax.GradientTransformation,
+    inner: optax.GradientTransformation | Callable[[PackedLayout], optax.GradientTransformation],
     mask: masks_lib.MaskArg = "auto",
     *,
     align: int = ALIGN,
@@ -333,23 +339,29 @@ def packed_transform(
 ) -> optax.GradientTransformationExtraArgs:
     """Runs ``inner`` on packed trees (low level; most users want :func:`packed`).
 
-    ``inner`` must be elementwise and, if it decays, built with ``mask=PACKED_MASK``;
+    ``inner`` must be elementwise and, if it decays, built with ``mask=PACKED_MASK``, or be a
+    function of the :class:`PackedLayout` that builds it (e.g. with
+    ``mask=layout.decay_tree()``, for optimizers that do not know :data:`PACKED_MASK`);
     ``mask`` is the user's decay mask, resolved per original leaf to build the layout.
     """
     _check_options(align, max_leaf_size)
     options = dict(align=align, max_leaf_size=max_leaf_size)
-    inner = optax.with_extra_args_support(inner)
+    if isinstance(inner, optax.GradientTransformation):
+        built = optax.with_extra_args_support(inner)
+        build = lambda layout: built  # noqa: E731
+    else:
+        build = lambda layout: optax.with_extra_args_support(inner(layout))  # noqa: E731
 
     def init_fn(params):
         V.check_param_dtypes(params, "packed")
         _check_not_sharded(params)
         layout = packed_layout(params, mask, **options)
-        return PackedState(inner_state=inner.init(layout.pack(params)))
+        return PackedState(inner_state=build(layout).init(layout.pack(params)))
 
     def update_fn(updates, state, params=None, **extra_args):
         layout = packed_layout(updates if params is None else params, mask, **options)
         packed_params = None if params is None else layout.pack(params)
-        new, inner_state = inner.update(
+        new, inner_state = build(layout).update(
             layout.pack(updates), state.inner_state, packed_params, **extra_args
         )
         return layout.unpack(new), PackedState(inner_state=inner_state)
@@ -379,9 +391,12 @@ def packed(
         :func:`~optax_decoupled.adamw`, :func:`~optax_decoupled.adam_l2`,
         :func:`~optax_decoupled.amsgrad`, :func:`~optax_decoupled.lion`, ``optax.adam``,
         ``optax.inject_hyperparams(od.adamw)``, or your own. If it has a ``mask`` parameter,
-        the wrapper resolves the mask per original leaf and passes :data:`PACKED_MASK` on;
-        without one, every leaf is treated as decayed (it makes no difference to a
-        transform that does not decay).
+        the wrapper resolves the mask per original leaf and passes on :data:`PACKED_MASK`
+        (this package's factories) or the layout's pytree of bools,
+        :meth:`PackedLayout.decay_tree` (any other, e.g. ``optax.adamw``, which would take
+        :data:`PACKED_MASK` for a truthy prefix and decay every buffer); without one, every
+        leaf is treated as decayed (it makes no difference to a transform that does not
+        decay).
       align: buffer lengths are padded to a multiple of this (see :func:`packed_layout`).
       max_leaf_size: leaves with more elements than this keep their own buffer (default
         :data:`MAX_LEAF_SIZE`, 65536: the small leaves, whose per-leaf costs dominate, are
@@ -407,17 +422,34 @@ def packed(
         )
     signature = inspect.signature(factory)
     has_mask = "mask" in signature.parameters
+    # This package's factories resolve PACKED_MASK (a DecayMask, on purpose not callable);
+    # another library's take it for one truthy prefix, so they get a pytree of bools.
+    own = getattr(inspect.unwrap(factory), "__module__", "").startswith("optax_decoupled.")
+
+    def build(args, kwargs, inner_mask):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        bound.arguments["mask"] = inner_mask
+        return factory(*bound.args, **bound.kwargs)
 
     @functools.wraps(factory)
     def packed_factory(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         mask = None
-        if has_mask:
+        if not has_mask:
+            inner = factory(*bound.args, **bound.kwargs)
+        else:
             mask = bound.arguments["mask"]
             masks_lib.check_mask_arg(mask)
-            bound.arguments["mask"] = PACKED_MASK
-        inner = factory(*bound.args, **bound.kwargs)
+            if own:
+                inner = build(args, kwargs, PACKED_MASK)
+            else:
+                build(args, kwargs, None)  # checks the other arguments now, not at init
+
+                def inner(layout):
+                    return build(args, kwargs, layout.decay_tree())
+
         return packed_transform(inner, mask, align=align, max_leaf_size=max_leaf_size)
 
     return packed_factory

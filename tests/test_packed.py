@@ -10,6 +10,7 @@ rounding (as jitted and eager runs of the *same* optimizer do). Speed is measure
 ``benchmarks/update_step.py``, not asserted here.
 """
 
+import inspect
 import io
 from typing import NamedTuple
 
@@ -127,6 +128,16 @@ CASES = {
         dict(learning_rate=SCHED, weight_decay=0.1, state_dtype="bfloat16"),
     ),
     "optax_adam_no_mask_arg": (optax.adam, dict(learning_rate=SCHED)),
+    # Another library's factory with a mask: it gets the layout's pytree of bools (it took
+    # PACKED_MASK for one truthy prefix and decayed every buffer).
+    "optax_adamw_pytree_mask": (
+        optax.adamw,
+        dict(learning_rate=SCHED, weight_decay=0.5, mask=CUSTOM_MASK),
+    ),
+    "optax_injected_adamw_pytree_mask": (
+        optax.inject_hyperparams(optax.adamw),
+        dict(learning_rate=1e-2, weight_decay=0.5, mask=CUSTOM_MASK),
+    ),
 }
 
 
@@ -152,7 +163,7 @@ def test_packed_equals_unpacked_bitwise(case):
     p_pk, s_pk = run(packed(factory)(**kwargs), params)
     assert_identical(p_pk, p_ref)
     chex.assert_trees_all_equal_dtypes(p_pk, params)
-    mask = kwargs.get("mask", "auto") if factory is not optax.adam else None
+    mask = kwargs.get("mask", "auto") if "mask" in inspect.signature(factory).parameters else None
     layout = packed_layout(params, mask)
     assert_identical(layout.unpack_state(s_pk), s_ref)
 

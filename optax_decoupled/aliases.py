@@ -130,6 +130,7 @@ def adamw(
       state_dtype: storage of the moments (:mod:`optax_decoupled.storage`).
     """
     _check_lr(learning_rate)
+    V.check_choice("decay_convention", decay_convention, transforms.DECAY_CONVENTIONS)
     return optax.chain(
         transforms.scale_by_adam(b1, b2, eps, eps_root, amsgrad=amsgrad, state_dtype=state_dtype),
         optax.scale_by_learning_rate(learning_rate),
@@ -230,6 +231,7 @@ def lion(
     ``decay_convention="lr"`` this is ``optax.lion`` (to float rounding).
     """
     _check_lr(learning_rate)
+    V.check_choice("decay_convention", decay_convention, transforms.DECAY_CONVENTIONS)
     return optax.chain(
         transforms.scale_by_lion(b1, b2, state_dtype=state_dtype),
         optax.scale_by_learning_rate(learning_rate),

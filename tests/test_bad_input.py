@@ -88,8 +88,10 @@ def test_eps_must_be_non_negative(alias, name):
 def test_unknown_choices():
     with pytest.raises(ValueError, match="`convention` must be one of"):
         od.decoupled_weight_decay(0.1, convention="torch", learning_rate=1e-3)
-    with pytest.raises(ValueError, match="`convention` must be one of"):
-        od.adamw(1e-3, decay_convention="decoupled")
+    # The aliases' argument is `decay_convention`: the message names it, not the transform's.
+    for alias in (od.adamw, od.lion, od.amsgrad):
+        with pytest.raises(ValueError, match="`decay_convention` must be one of"):
+            alias(1e-3, decay_convention="decoupled")
     with pytest.raises(ValueError, match="`amsgrad` must be one of"):
         od.scale_by_adam(amsgrad="keras")
     with pytest.raises(ValueError, match="`amsgrad` must be one of"):

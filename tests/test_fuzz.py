@@ -236,7 +236,7 @@ DOCUMENTED = [
     r"^`min_size` must be a non-negative int",
     r"^`cpu_kernel` must be True or False",
     r"^`rounding`='stochastic' is implemented for bfloat16 storage only",
-    r"^convention='\w+' divides by the peak learning rate",
+    r"^The decay convention '\w+' divides by the peak learning rate",
     r"^`peak_learning_rate` must be a number or an array, not a schedule",
     r"^convention='\w+' needs `learning_rate`",
     r"^`\w+` string must be 'auto', got ",

@@ -1,6 +1,7 @@
 """Tests of the SSM trainer: pure step, vmapped grid = one-by-one runs, checkpoint/resume
 bit-identity and errors, JSON lines, schedules, and plugging in optax_decoupled.adamw."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -125,6 +126,14 @@ def test_resume_is_bit_identical(task, model_config, grid, tmp_path):
         jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
         np.testing.assert_array_equal(a.train_loss, b.train_loss)
         assert a.evals == b.evals and a.final == b.final
+    # Another layout of the configurations (here: one vmap instead of lax.map chunks) is not
+    # bit-identical to the uninterrupted run: the resume says so.
+    chunk = train_lib.resolve_config_chunk(LOOP.config_chunk)
+    other = dataclasses.replace(LOOP, config_chunk=2 if chunk is None else None)
+    with pytest.warns(UserWarning, match="another layout"):
+        train_lib.train_grid(
+            task, model_config, MAKE_TX, HPARAMS, SEEDS, other, resume=True, **kwargs
+        )
 
 
 def test_resume_errors(task, model_config, grid, tmp_path):
@@ -233,6 +242,34 @@ def test_argument_errors(task, model_config):
         train_lib.train_grid(task, model_config, optax.sgd(0.1), resume=True)
     with pytest.raises(ValueError):
         train_lib.TrainConfig(steps=0)
+    # Found by a review: these failed late (after training, at the first log or save) or not
+    # at all (max_to_keep=0 deleted every checkpoint; stop_at=0 saved none).
+    with pytest.raises(ValueError, match="log_every"):
+        train_lib.TrainConfig(log_every=0)
+    with pytest.raises(ValueError, match="max_to_keep"):
+        train_lib.TrainConfig(max_to_keep=0)
+    bad_split = dataclasses.replace(LOOP, final_splits=("tset",))
+    with pytest.raises(ValueError, match=r"final_splits names \['tset'\]"):
+        train_lib.train_grid(task, model_config, optax.sgd(0.1), config=bad_split)
+    with pytest.raises(ValueError, match="stop_at"):
+        train_lib.train_grid(task, model_config, optax.sgd(0.1), checkpoint_dir="x", stop_at=0)
+
+
+def test_schedule_arguments_are_checked_up_front():
+    """Named errors when the factory is built, not Optax's `decay_steps` from the first step;
+    a negative clip_norm (gradient ascent) or zero (no steps) is refused."""
+    for kw, name in (
+        (dict(total_steps=0), "total_steps"),
+        (dict(total_steps=10, warmup_steps=10), "warmup_steps"),
+        (dict(total_steps=10, warmup_steps=-1), "warmup_steps"),
+        (dict(total_steps=10, clip_norm=-1.0), "clip_norm"),
+        (dict(total_steps=10, clip_norm=0.0), "clip_norm"),
+    ):
+        with pytest.raises(ValueError, match=f"`{name}`"):
+            train_lib.scheduled(optax.adamw, **kw)
+    with pytest.raises(ValueError, match="`total_steps`"):
+        train_lib.warmup_cosine(1e-3, total_steps=0)
+    train_lib.scheduled(optax.adamw, total_steps=10, warmup_steps=9, clip_norm=None)
 
 
 def test_grid_over_devices_and_chunks():

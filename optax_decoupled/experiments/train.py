@@ -33,8 +33,10 @@ import functools
 import itertools
 import json
 import math
+import numbers
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -164,7 +166,11 @@ def warmup_cosine(
 
     ``peak`` may be a tracer (a vmapped learning rate); the unit schedule is Optax's
     ``warmup_cosine_decay_schedule`` with peak 1, whose construction needs concrete values.
+
+    Raises:
+      ValueError: unless ``total_steps >= 1`` and ``0 <= warmup_steps < total_steps``.
     """
+    _check_schedule_steps(total_steps, warmup_steps)
     if warmup_steps > 0:
         unit = optax.warmup_cosine_decay_schedule(
             init_fraction, 1.0, warmup_steps, total_steps, end_value=end_fraction
@@ -172,6 +178,20 @@ def warmup_cosine(
     else:
         unit = optax.cosine_decay_schedule(1.0, total_steps, alpha=end_fraction)
     return lambda count: peak * unit(count)
+
+
+def _check_schedule_steps(total_steps: Any, warmup_steps: Any) -> None:
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"`total_steps` must be an int >= 1, got {total_steps!r}.")
+    if (
+        isinstance(warmup_steps, bool)
+        or not isinstance(warmup_steps, int)
+        or not 0 <= warmup_steps < total_steps
+    ):
+        raise ValueError(
+            f"`warmup_steps` must be an int with 0 <= warmup_steps < total_steps "
+            f"({total_steps}), got {warmup_steps!r}."
+        )
 
 
 def scheduled(
@@ -197,7 +217,19 @@ def scheduled(
 
         make_tx = scheduled(optax.adamw, total_steps=600, warmup_steps=50, clip_norm=1.0)
         tx = make_tx(learning_rate=3e-3, weight_decay=0.1)
+
+    Raises:
+      ValueError: for step counts :func:`warmup_cosine` refuses, or a ``clip_norm`` that is
+        not ``None`` or a finite number > 0 (a negative one would turn descent into ascent).
     """
+    _check_schedule_steps(total_steps, warmup_steps)
+    if clip_norm is not None and not (
+        isinstance(clip_norm, numbers.Real)
+        and not isinstance(clip_norm, bool)
+        and math.isfinite(clip_norm)
+        and clip_norm > 0
+    ):
+        raise ValueError(f"`clip_norm` must be None or a finite number > 0, got {clip_norm!r}.")
 
     def make_tx(**hparams: Any) -> optax.GradientTransformation:
         if lr_name not in hparams:
@@ -251,9 +283,11 @@ class TrainConfig:
       skip_nonfinite: wrap the optimizer in ``optax.apply_if_finite``: a step whose gradients
         contain a NaN or an Inf leaves the parameters and the whole optimizer state (moments,
         step counts, hence the schedules) unchanged and is counted; training continues with
-        the next batch. The counts are reported as :attr:`RunResult.skipped_steps`, in the
-        ``"final"`` and ``"eval"`` JSON lines, and the skipped steps are those whose
-        ``grad_norm`` is not finite.
+        the next batch. The counts are reported as :attr:`RunResult.skipped_steps` and in the
+        ``"final"`` and ``"eval"`` JSON lines. A skipped step's ``grad_norm`` is not finite,
+        but not every step with a non-finite ``grad_norm`` is skipped: the norm of large
+        finite gradients (above about 1.8e19 in float32) overflows to inf, and such a step is
+        applied (clip the gradients, ``scheduled(clip_norm=...)``, against such steps).
       max_consecutive_nonfinite: ``apply_if_finite``'s ``max_consecutive_errors``: after more
         than this many non-finite steps *in a row* the update is applied anyway (and the
         non-finite values reach the parameters), so a run that has truly diverged does not
@@ -290,6 +324,10 @@ class TrainConfig:
     def __post_init__(self):
         if self.steps < 1 or self.eval_every < 1 or self.eval_batch_size < 1:
             raise ValueError("steps, eval_every and eval_batch_size must be positive.")
+        if self.log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {self.log_every!r}.")
+        if self.max_to_keep < 1:  # 0 would delete every checkpoint as it is written
+            raise ValueError(f"max_to_keep must be >= 1, got {self.max_to_keep!r}.")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be positive or None.")
         if (
@@ -745,8 +783,11 @@ def train_grid(
         ``FileNotFoundError`` if there is none and :class:`CheckpointError` if it is unusable.
         A checkpoint holds the state as trained, including any padding of the grid to a
         multiple of the device count (``TrainConfig.shard_configs``); a grid that needed
-        padding resumes on the same number of devices.
-      stop_at: stop after this many steps (saving a checkpoint), to emulate an interruption.
+        padding resumes on the same number of devices. A resumed run equals an uninterrupted
+        one bit for bit when it runs with the same layout (devices and ``config_chunk``);
+        with another it continues, up to float rounding, and warns.
+      stop_at: stop after this many steps (>= 1; saving a checkpoint), to emulate an
+        interruption.
       metrics_path: append JSON lines here (``"eval"`` records per configuration and
         evaluation, a ``"final"`` record per configuration).
       keep_params: store each configuration's final parameters in its :class:`RunResult`.
@@ -765,6 +806,17 @@ def train_grid(
             )
     if (resume or stop_at is not None or config.checkpoint_every) and checkpoint_dir is None:
         raise ValueError("resume, stop_at and checkpoint_every need a checkpoint_dir.")
+    if stop_at is not None and (
+        isinstance(stop_at, bool) or int(stop_at) != stop_at or stop_at < 1
+    ):
+        raise ValueError(f"stop_at must be None or an int >= 1, got {stop_at!r}.")
+    for field in ("eval_splits", "final_splits"):  # before training, not after it
+        unknown = [n for n in getattr(config, field) if n not in task.splits]
+        if unknown:
+            raise ValueError(
+                f"TrainConfig.{field} names {unknown}, which task {task.name!r} does not have "
+                f"(its splits: {sorted(task.splits)})."
+            )
     hp, seeds_arr = _broadcast_grid(hparams, seeds)
     k = seeds_arr.shape[0]
     steps = config.steps
@@ -807,6 +859,9 @@ def train_grid(
         "batch_size": task.batch_size,
         "seeds": seeds_arr.tolist(),
         "hparams": {n: v.tolist() for n, v in hp.items()},
+        # How the K configurations were laid out: a resume with another layout computes the
+        # same steps with other float rounding (another vmap/lax.map split).
+        "layout": {"devices": 1 if mesh is None else int(mesh.size), "config_chunk": chunk},
     }
 
     start_step = 0
@@ -819,6 +874,15 @@ def train_grid(
                     f"checkpoint in {checkpoint_dir!r} was written by a different run: {key} "
                     f"is {saved_meta.get(key)!r} there and {meta[key]!r} here."
                 )
+        if "layout" in saved_meta and saved_meta["layout"] != meta["layout"]:
+            warnings.warn(
+                f"resuming from {checkpoint_dir!r} with another layout of the configurations "
+                f"({saved_meta['layout']} there, {meta['layout']} here: devices of the mesh and "
+                "TrainConfig.config_chunk): the run continues, but is not bit-identical to an "
+                "uninterrupted one (float rounding of another vmap/lax.map split).",
+                UserWarning,
+                stacklevel=2,
+            )
         # Through host memory, so the arrays are uncommitted like freshly initialised ones and
         # the cached step program is reused instead of recompiled for committed inputs.
         state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), restored["state"])

@@ -47,6 +47,7 @@ def effective_decay(
     coupled: bool,
     b2: float = 0.999,
     eps: float = 1e-8,
+    eps_root: float = 0.0,
     amsgrad: str | None = None,
     convention: str = "lr",
     peak_learning_rate: float | None = None,
@@ -57,7 +58,8 @@ def effective_decay(
 
     .. math::
 
-        \text{coupled: } \frac{\eta_t\lambda}{\sqrt{\hat\nu_t}+\epsilon}, \qquad
+        \text{coupled: } \frac{\eta_t\lambda}{\sqrt{\hat\nu_t+\epsilon_{root}}+\epsilon},
+        \qquad
         \text{decoupled: } s_t \;(\text{e.g. } \eta_t\lambda)
 
     where :math:`\hat\nu_t` is what the denominator of the last step used (the AMSGrad max for
@@ -86,7 +88,7 @@ def effective_decay(
         nu = store.read(nu_s, p).astype(jnp.float32)
         if amsgrad in (None, "pytorch"):
             nu = nu / bc2
-        return learning_rate * weight_decay / (jnp.sqrt(nu) + eps)
+        return learning_rate * weight_decay / (jnp.sqrt(nu + eps_root) + eps)
 
     return jax.tree.map(leaf, params, nu_tree, decays)
 

@@ -36,16 +36,17 @@ def test_decoupled_effective_decay_is_uniform_on_decayed_leaves():
     np.testing.assert_allclose(sched["dense"]["kernel"], 0.25)
 
 
+@pytest.mark.parametrize("eps_root", [0.0, 1e-3])
 @pytest.mark.parametrize("amsgrad", [None, "pytorch", "optax", "paper"])
-def test_coupled_effective_decay_by_hand(amsgrad):
+def test_coupled_effective_decay_by_hand(amsgrad, eps_root):
     """After one step of adam_l2: nu = (1 - b2) (g + wd θ)^2, and the hand formula follows."""
     params, grads = small()
     lr, wd, b2, eps = 0.1, 0.5, 0.999, 1e-8
-    tx = od.adam_l2(lr, b2=b2, eps=eps, weight_decay=wd, amsgrad=amsgrad)
+    tx = od.adam_l2(lr, b2=b2, eps=eps, weight_decay=wd, amsgrad=amsgrad, eps_root=eps_root)
     _, state = tx.update(grads, tx.init(params), params)
     eff = D.effective_decay(
         state, params, learning_rate=lr, weight_decay=wd, coupled=True, b2=b2, eps=eps,
-        amsgrad=amsgrad,
+        eps_root=eps_root, amsgrad=amsgrad,
     )  # fmt: skip
     g = np.asarray(grads["dense"]["kernel"], np.float64) + wd * np.asarray(
         params["dense"]["kernel"], np.float64
@@ -53,7 +54,7 @@ def test_coupled_effective_decay_by_hand(amsgrad):
     nu = (1 - b2) * g**2
     if amsgrad != "paper":
         nu = nu / (1 - b2)  # bias correction at t = 1 (the max is of one value)
-    expected = lr * wd / (np.sqrt(nu) + eps)
+    expected = lr * wd / (np.sqrt(nu + eps_root) + eps)
     np.testing.assert_allclose(eff["dense"]["kernel"], expected, rtol=1e-5)
     np.testing.assert_array_equal(eff["dense"]["bias"], 0.0)
 

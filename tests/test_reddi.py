@@ -317,6 +317,18 @@ def test_cli_rejects_bad_sizes(monkeypatch, capsys):
     assert "steps" in capsys.readouterr().err
 
 
+def test_an_unusable_out_fails_before_the_simulations(tmp_path, monkeypatch):
+    """--out under a regular file: the error comes first, not after minutes of simulation."""
+    (tmp_path / "afile").write_text("x")
+
+    def no_simulation(*args, **kwargs):
+        raise AssertionError("simulated before checking the output directory")
+
+    monkeypatch.setattr(reddi, "simulate", no_simulation)
+    with pytest.raises(OSError):
+        reddi.run_experiment(reddi.Config.smoke(), str(tmp_path / "afile" / "sub"))
+
+
 def test_smoke_config(monkeypatch):
     monkeypatch.setenv("OPTAX_DECOUPLED_SMOKE", "1")
     assert reddi.smoke_requested()
@@ -341,11 +353,18 @@ def test_scale_option_and_its_conflicts(monkeypatch, capsys):
         assert reddi.config_from_args(args) == reddi.Config.preset(scale)
     assert reddi.config_from_args(parser.parse_args(["--smoke"])) == reddi.Config.smoke()
     assert reddi.Config.preset("full").steps == 10_000_000
-    for argv in (["--smoke", "--optimizers", "foo"], ["--scale", "quick", "--seeds", "5"]):
+    # A size option given at its default value is given too (it was silently ignored).
+    for argv in (
+        ["--smoke", "--optimizers", "foo"],
+        ["--scale", "quick", "--seeds", "5"],
+        ["--scale", "smoke", "--steps", str(reddi.Config().steps)],
+    ):
         with pytest.raises(ValueError, match="sets every size; drop --"):
             reddi.config_from_args(parser.parse_args(argv))
         assert reddi.main([*argv, "--no-fast-loops"]) == 2
         assert "sets every size" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--smoke is --scale smoke"):
+        reddi.config_from_args(parser.parse_args(["--smoke", "--scale", "full"]))
     monkeypatch.setenv("OPTAX_DECOUPLED_SMOKE", "1")
     config = reddi.config_from_args(parser.parse_args(["--seeds", "5"]))
     assert config == reddi.Config.smoke()

@@ -951,6 +951,8 @@ def run_experiment(
     from tqdm.auto import tqdm
 
     config = config or Config()
+    if out is not None:  # now, not after the simulations (an unusable `out` fails at once)
+        os.makedirs(out, exist_ok=True)
     t_start = time.perf_counter()
     probs = problems(config)
     sims: dict[str, SimResult] = {}
@@ -1000,7 +1002,6 @@ def run_experiment(
     doc["figures"] = []
 
     if out is not None:
-        os.makedirs(out, exist_ok=True)
         if figures:
             from optax_decoupled.experiments import plots
 
@@ -1092,11 +1093,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the ``optax-decoupled reddi`` options to ``parser`` and returns it."""
     d = Config()
     parser.add_argument(
-        "--steps", type=int, default=d.steps, help="steps T of the comparisons (default 10⁶)"
+        "--steps", type=int, default=None, help="steps T of the comparisons (default 10⁶)"
     )
     parser.add_argument("--out", default="reddi_out", help="output directory (default reddi_out)")
     parser.add_argument(
-        "--seeds", type=int, default=d.seeds, help="seeds per stochastic problem (default 3)"
+        "--seeds", type=int, default=None, help=f"seeds per stochastic problem (default {d.seeds})"
     )
     parser.add_argument(
         "--phase-steps",
@@ -1105,7 +1106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="steps per phase-diagram run (default min(steps, 10⁵))",
     )
     parser.add_argument(
-        "--phase-grid", type=int, default=d.phase_grid, help="phase diagram of N×N (β1, β2)"
+        "--phase-grid",
+        type=int,
+        default=None,
+        help=f"phase diagram of N×N (β1, β2) (default {d.phase_grid})",
     )
     parser.add_argument(
         "--eps-steps", type=int, default=None, help="steps per ε-sweep run (default: steps)"
@@ -1136,26 +1140,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-#: The options that set sizes (``--scale`` and ``--smoke`` set them all), with their defaults.
-_SIZE_OPTIONS = {
-    "steps": Config().steps,
-    "seeds": Config().seeds,
-    "phase_steps": None,
-    "phase_grid": Config().phase_grid,
-    "eps_steps": None,
-    "optimizers": None,
-}
+#: The options that set sizes (``--scale`` and ``--smoke`` set them all); ``None`` when not
+#: given (also when given their default value, they conflict with a scale).
+_SIZE_OPTIONS = ("steps", "seeds", "phase_steps", "phase_grid", "eps_steps", "optimizers")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
     """The :class:`Config` for parsed arguments: ``--scale`` (``--smoke`` is ``--scale
     smoke``) or the size options, not both; ``OPTAX_DECOUPLED_SMOKE=1`` (CI) runs the smoke
     size whatever they say, with a note on stderr."""
-    scale = "smoke" if getattr(args, "smoke", False) else getattr(args, "scale", None)
+    scale = getattr(args, "scale", None)
+    if getattr(args, "smoke", False):
+        if scale not in (None, "smoke"):
+            raise ValueError(f"--smoke is --scale smoke; drop it or --scale {scale}.")
+        scale = "smoke"
     explicit = [
         "--" + name.replace("_", "-")
-        for name, default in _SIZE_OPTIONS.items()
-        if getattr(args, name, default) != default
+        for name in _SIZE_OPTIONS
+        if getattr(args, name, None) is not None
     ]
     if smoke_requested():
         if explicit or scale not in (None, "smoke"):
@@ -1175,13 +1177,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
     optimizers = OPTIMIZERS
     if getattr(args, "optimizers", None):
         optimizers = tuple(o.strip() for o in args.optimizers.split(",") if o.strip())
+    given = {
+        n: getattr(args, n)
+        for n in ("steps", "seeds", "phase_grid")
+        if getattr(args, n, None) is not None
+    }
     return Config(
-        steps=args.steps,
-        seeds=args.seeds,
-        phase_steps=args.phase_steps,
-        phase_grid=args.phase_grid,
-        eps_steps=args.eps_steps,
-        optimizers=optimizers,
+        **given, phase_steps=args.phase_steps, eps_steps=args.eps_steps, optimizers=optimizers
     )
 
 

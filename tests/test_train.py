@@ -111,7 +111,7 @@ def test_grid_result_contents(grid):
 
 
 def test_resume_is_bit_identical(task, model_config, grid, tmp_path):
-    result, _ = grid
+    result, root = grid
     kwargs = dict(checkpoint_dir=tmp_path / "ckpt", metrics_path=tmp_path / "m.jsonl")
     part = train_lib.train_grid(
         task, model_config, MAKE_TX, HPARAMS, SEEDS, LOOP, stop_at=5, **kwargs
@@ -134,6 +134,27 @@ def test_resume_is_bit_identical(task, model_config, grid, tmp_path):
         train_lib.train_grid(
             task, model_config, MAKE_TX, HPARAMS, SEEDS, other, resume=True, **kwargs
         )
+    # The JSON lines of the interrupted, resumed and resumed-again run: the uninterrupted
+    # run's records, none twice (the finished run's "final" records were written again).
+    key = lambda r: (r["event"], r.get("step"), r["run"])  # noqa: E731
+    records = train_lib.read_jsonl(tmp_path / "m.jsonl")
+    reference = train_lib.read_jsonl(root / "metrics.jsonl")
+    assert sorted(map(key, records)) == sorted(map(key, reference))
+
+
+def test_eval_records_average_the_steps_since_the_last_eval(task, model_config, tmp_path):
+    """With steps not a multiple of eval_every, the last record's train_loss is the mean of
+    the steps after the previous evaluation (it reached back into the window before)."""
+    loop = dataclasses.replace(LOOP, eval_every=3)  # evaluations at steps 3, 6 and 8
+    res = train_lib.train_grid(
+        task, model_config, MAKE_TX, HPARAMS, SEEDS, loop, metrics_path=tmp_path / "m.jsonl"
+    )
+    evals = [r for r in train_lib.read_jsonl(tmp_path / "m.jsonl") if r["event"] == "eval"]
+    assert sorted({r["step"] for r in evals}) == [3, 6, 8]
+    for r in evals:
+        since = (r["step"] - 1) // 3 * 3
+        expected = np.mean(res.runs[r["run"]].train_loss[since : r["step"]])
+        assert r["train_loss"] == pytest.approx(float(expected), rel=1e-6)
 
 
 def test_resume_errors(task, model_config, grid, tmp_path):

@@ -422,6 +422,25 @@ def write_jsonl(
             f.write(json.dumps(record, default=_json_default) + "\n")
 
 
+def _metrics_mark(path: str | os.PathLike | None) -> dict | None:
+    """Where the metrics file ends now (stored with a checkpoint)."""
+    if path is None:
+        return None
+    path = os.path.abspath(path)
+    return {"path": path, "bytes": os.path.getsize(path) if os.path.exists(path) else 0}
+
+
+def _truncate_metrics(path: str | os.PathLike | None, mark: dict | None) -> None:
+    """On resume: drop the records written after the checkpoint (by the interrupted run, or
+    the "final" records of a finished one), which the resumed run writes again. Only for the
+    file the checkpoint measured, and only if it has grown since."""
+    if path is None or not mark or mark.get("path") != os.path.abspath(path):
+        return
+    if os.path.exists(path) and os.path.getsize(path) > mark["bytes"]:
+        with open(path, "r+b") as f:
+            f.truncate(mark["bytes"])
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """Read a JSON-lines file written by :func:`write_jsonl`."""
     with open(path) as f:
@@ -789,7 +808,8 @@ def train_grid(
       stop_at: stop after this many steps (>= 1; saving a checkpoint), to emulate an
         interruption.
       metrics_path: append JSON lines here (``"eval"`` records per configuration and
-        evaluation, a ``"final"`` record per configuration).
+        evaluation, a ``"final"`` record per configuration). A resume first cuts the file
+        back to where it ended at the checkpoint, so no record is written twice.
       keep_params: store each configuration's final parameters in its :class:`RunResult`.
       desc: progress-bar label.
       param_metrics: ``params -> {name: scalar}`` (e.g. weight norms per group), evaluated
@@ -885,6 +905,7 @@ def train_grid(
             )
         # Through host memory, so the arrays are uncommitted like freshly initialised ones and
         # the cached step program is reused instead of recompiled for committed inputs.
+        _truncate_metrics(metrics_path, saved_meta.get("metrics"))
         state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), restored["state"])
         state = _place(state, mesh)
         history = {n: np.array(v) for n, v in restored["history"].items()}
@@ -895,7 +916,7 @@ def train_grid(
             checkpoint_dir,
             step,
             {"state": state, "history": history},
-            {**meta, "evals": evals},
+            {**meta, "evals": evals, "metrics": _metrics_mark(metrics_path)},
             max_to_keep=config.max_to_keep,
         )
 
@@ -948,7 +969,7 @@ def train_grid(
             t_eval = time.perf_counter()
             flush()
             results = run_eval(config.eval_splits)
-            since = max(0, done - config.eval_every)
+            since = (done - 1) // config.eval_every * config.eval_every  # the last eval's step
             records = []
             for i in range(k):
                 rec = {"step": done, **{n: float(v[i]) for n, v in results.items()}}

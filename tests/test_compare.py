@@ -141,6 +141,13 @@ def test_report_smoke_schema_and_resume(tmp_path):
         ratios = np.asarray(list(diag["update_ratios"].values()))
         assert np.all(np.isfinite(ratios)) and np.all(ratios > 0), diag["update_ratios"]
         assert res["copying"]["steps_budget"] == cfg.copy_steps
+        # The learning rates as trained, unrounded (the best one was parsed back from a
+        # 3-digit display key before), and the best among them.
+        cp_lrs = [v["learning_rate"] for v in res["copying"]["per_learning_rate"].values()]
+        assert res["copying"]["best_learning_rate"] in cp_lrs
+        assert sorted(cp_lrs) == sorted(
+            ev["hparams"]["learning_rate"] * f for f in cfg.copy_lr_factors
+        ), (cp_lrs, ev["hparams"])
         assert len(res["copying"]["steps_to_target"]) == len(cfg.eval_seeds)
     for fig in doc["figures"]:
         assert (tmp_path / "compare" / fig).stat().st_size > 1000
@@ -162,6 +169,10 @@ def test_report_smoke_schema_and_resume(tmp_path):
     )
     assert marker.stat().st_mtime_ns == before
     assert sum("already done, skipped" in line for line in logs) == 2
+    # Rendered from results.json now, from the runs' own dicts before: the same settings
+    # lines (tuples printed as "(1, 2)" in one and "[1, 2]" in the other before).
+    settings = lambda t: [ln for ln in t.splitlines() if "seeds" in ln]  # noqa: E731
+    assert settings(text) and settings((tmp_path / "report.md").read_text()) == settings(text)
 
     # One part asked for (twice): it runs once, and the report keeps the other finished part.
     logs.clear()

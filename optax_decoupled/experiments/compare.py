@@ -372,7 +372,9 @@ def copy_speed(
     for lr in lrs:
         runs = [r for r in res.runs if math.isclose(r.hparams["learning_rate"], lr, rel_tol=1e-6)]
         hits = [first_hit(r) for r in runs]
-        per_lr[f"{lr:.3g}"] = {
+        label = f"{lr:.3g}" if f"{lr:.3g}" not in per_lr else repr(float(lr))  # a display key
+        per_lr[label] = {
+            "learning_rate": float(lr),  # the value trained, unrounded
             "steps_to_target": hits,
             "final_val_accuracy": [r.final["val_accuracy"] for r in runs],
         }
@@ -382,12 +384,12 @@ def copy_speed(
         reached = [h for h in hits if h is not None]
         return (-len(reached), np.mean(reached) if reached else np.inf)
 
-    best_lr, best_item = min(per_lr.items(), key=score)
+    _, best_item = min(per_lr.items(), key=score)
     return {
         "target": cfg.copy_target,
         "steps_budget": cfg.copy_steps,
         "per_learning_rate": per_lr,
-        "best_learning_rate": float(best_lr),
+        "best_learning_rate": best_item["learning_rate"],
         "steps_to_target": best_item["steps_to_target"],
         "wall_time_s": res.wall_time_s,
     }

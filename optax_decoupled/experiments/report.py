@@ -224,7 +224,9 @@ def run_part(
     doc = {**doc, "scale": scale, "environment": environment()}
     write_json(results, doc)
     write_json(marker, {"part": part, "scale": scale, "wall_time_s": wall})
-    return doc, wall, False
+    # What was written, read back: the report renders the same text from a fresh part as
+    # from a resumed one (tuples of the configs are lists in JSON, NumPy values numbers).
+    return json.loads(results.read_text()), wall, False
 
 
 def _finished(directory: pathlib.Path) -> dict[str, Any] | None:

@@ -137,6 +137,7 @@ def test_report_smoke_schema_and_resume(tmp_path):
         diag = ev["diagnostics"]
         assert diag["effective_decay"]["n"] > 0
         assert sum(diag["effective_decay"]["log10_histogram"]) == diag["effective_decay"]["n"]
+        assert {"below_1e-12", "above_1"} <= set(diag["effective_decay"])
         assert "norm/decayed" in diag["group_norms"]
         ratios = np.asarray(list(diag["update_ratios"].values()))
         assert np.all(np.isfinite(ratios)) and np.all(ratios > 0), diag["update_ratios"]

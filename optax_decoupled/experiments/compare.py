@@ -326,8 +326,14 @@ def run_diagnostics(
             "quantiles": {
                 str(q): float(np.quantile(values, q)) for q in (0.01, 0.1, 0.5, 0.9, 0.99)
             },
-            "log10_histogram": np.histogram(log_values, bins=40, range=(-12, 0))[0].tolist(),
+            # Values outside [1e-12, 1] go to the end bins (counted apart too), so the
+            # histogram holds every element and the figure's fractions are of all of them.
+            "log10_histogram": np.histogram(np.clip(log_values, -12, 0), bins=40, range=(-12, 0))[
+                0
+            ].tolist(),
             "log10_bins": [-12, 0, 40],
+            "below_1e-12": int(np.sum(log_values < -12)),
+            "above_1": int(np.sum(log_values > 0)),
             "n": int(values.size),
         },
         "update_ratios": ratios,

@@ -170,8 +170,10 @@ def test_markdown_table():
 @pytest.mark.slow
 def test_quality_comparison_smoke():
     rows = R.quality_comparison(R.QualityConfig.preset("smoke"))
-    assert [r["state_dtype"] for r in rows] == ["float32", "int8"]
-    assert rows[0]["gap_vs_float32"] == 0.0
+    # Every tensor quantized: the default int8 storage keeps the small model's tensors in
+    # float32 (under 4096 elements), and its row measured float32 under an int8 label.
+    assert [r["state_dtype"] for r in rows] == ["float32", "int8 (B=256, all tensors)"]
+    assert rows[0]["gap_vs_float32"] == 0.0 and rows[1]["gap_vs_float32"] != 0.0
     assert all(np.isfinite(r["val_loss_mean"]) for r in rows)
 
 

@@ -332,10 +332,12 @@ class QualityConfig:
         if scale == "smoke":
             return cls(d_model=16, n_layers=1, batch_size=16, steps=3, warmup_steps=1,
                        eval_every=3, seeds=(1, 2), optimizers=("adamw",),
-                       state_dtypes=("float32", "int8"))  # fmt: skip
+                       state_dtypes=("float32",
+                                     storage_lib.BlockwiseInt8Storage(min_size=0)))  # fmt: skip
         if scale == "quick":
-            # CPU-sized: the small SSM has no tensor of 4096 elements, so the default int8
-            # storage would keep everything in float32; quantize every tensor instead.
+            # CPU-sized (and smoke): the small SSM has no tensor of 4096 elements, so the
+            # default int8 storage would keep everything in float32 (a row labelled int8
+            # that measured float32); quantize every tensor instead.
             return cls(d_model=16, n_layers=2, batch_size=16, steps=300, warmup_steps=30,
                        eval_every=300, adamw_lr=1e-2, adamw_wd=0.01, lion_lr=2e-3,
                        lion_wd=0.05, state_dtypes=("float32", "bfloat16",

@@ -374,8 +374,9 @@ class SimResult:
       avg_regret_final: ``(B,)`` :math:`R_T/T`.
       x_tail_mean: ``(B,)`` the mean iterate over the last 10% of the steps (at least the
         last one; robust to the oscillation of constant step sizes).
-      compile_s, run_s: compilation and execution wall time in seconds (``compile_s`` is about
-        0 when the same program was compiled before in this process).
+      compile_s, run_s: compilation and execution wall time in seconds (``compile_s``
+        includes drawing a stochastic problem's gradients, and is about that alone when the
+        same program was compiled before in this process).
       device: the device the program ran on (:func:`simulation_device`).
     """
 

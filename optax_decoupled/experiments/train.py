@@ -351,7 +351,8 @@ class RunResult:
       train_loss, train_accuracy, grad_norm: per-step training metrics, shape ``(steps,)``.
       evals: periodic evaluations ``{"step", "<split>_loss", "<split>_accuracy"}``.
       final: final metrics of ``final_splits`` (``"test_accuracy"`` etc.).
-      wall_time_s: wall time of the whole grid (configurations train together).
+      wall_time_s: wall time of the whole grid (configurations train together) in this
+        call: for a resumed run, since the resume.
       params: final parameters (NumPy), or ``None`` when not kept.
       skipped_steps: steps skipped for non-finite gradients (``TrainConfig.skip_nonfinite``),
         ``None`` when skipping is off.

@@ -502,8 +502,18 @@ def in_manual_context(*arrays: Any) -> bool:
     return False
 
 
-def _dispatch_impl(*args, **params):
-    return jax.jit(lambda *a: _dispatch_p.bind(*a, **params))(*args)
+def _dispatch_impl(*args, single, partitioned, out_avals):
+    """Eager evaluation: ``single`` where the arguments are on one device (what a ``jit`` on
+    them would lower), else ``partitioned``, called directly. (A ``jit`` of a new lambda here
+    recompiled on every eager call, and under ``jax.disable_jit`` re-entered this rule
+    without end.)"""
+    del out_avals
+    devices = set()
+    for a in args:
+        sharding = getattr(a, "sharding", None)
+        if sharding is not None:
+            devices |= set(sharding.device_set)
+    return (single if len(devices) <= 1 else partitioned)(*args)
 
 
 def _lowering_for_export(ctx: Any) -> bool:

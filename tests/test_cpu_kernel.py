@@ -7,6 +7,7 @@ XLA's own program (`quantize_blocks`) for the encoder alone, on every float32 ne
 decision point of both maps.
 """
 
+import logging
 import warnings
 
 import chex
@@ -337,6 +338,50 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
     off = od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype=loop)
     text = jax.jit(lambda p, s, g: off.update(g, s, p)).lower(params, off.init(params), params)
     assert cpu_kernel.TARGET not in text.as_text()
+
+
+@needs_kernel
+@pytest.mark.parametrize("state_dtype", ["int8", "bfloat16"])
+def test_eager_and_disable_jit_steps(state_dtype):
+    """Outside jit the dispatch ran a jit of a new function per call: it recompiled the
+    kernel's program on every eager step, and under jax.disable_jit re-entered itself until
+    RecursionError. Eager steps (also under disable_jit) now call the kernel directly: the
+    same state as the jitted step, updates to float rounding, and no compilation of the
+    kernel's program after the first step."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 64 * 128).reshape(64, 128)}
+    grads = jax.tree.map(lambda x: jnp.cos(3.0 * x), params)
+    tx = od.adamw(1e-3, mask=None, state_dtype=state_dtype)
+    state = tx.init(params)
+    want_u, want_s = jax.jit(tx.update)(grads, state, params)
+    with jax.disable_jit():
+        got = tx.update(grads, state, params)
+    eager = tx.update(grads, state, params)
+    for u, s in (got, eager):
+        chex.assert_trees_all_equal(s, want_s)
+        np.testing.assert_allclose(u["w"], want_u["w"], rtol=1e-6, atol=1e-9)
+    calls = cpu_kernel.calls_compiled()
+    compiled = []
+    with jax.log_compiles():
+        handler = _ListHandler(compiled)
+        logging.getLogger("jax").addHandler(handler)
+        try:
+            for _ in range(2):
+                _, state = tx.update(grads, state, params)
+        finally:
+            logging.getLogger("jax").removeHandler(handler)
+    kernel_programs = [m for m in compiled if "integer_pow" not in m]  # b**count, eager
+    assert not kernel_programs, kernel_programs
+    assert cpu_kernel.calls_compiled() == calls
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self, out):
+        super().__init__()
+        self.out = out
+
+    def emit(self, record):
+        if "Finished XLA compilation" in record.getMessage():
+            self.out.append(record.getMessage())
 
 
 @needs_kernel

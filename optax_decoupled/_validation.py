@@ -24,9 +24,14 @@ def concrete_number(value: Any) -> float | None:
     if isinstance(value, numbers.Real):
         return float(value)
     if isinstance(value, np.ndarray | np.generic) and np.ndim(value) == 0:
-        if np.issubdtype(np.asarray(value).dtype, np.number):
+        if _is_real_dtype(np.asarray(value).dtype):
             return float(value)
     return None
+
+
+def _is_real_dtype(dtype: Any) -> bool:
+    """Floating (bfloat16 included, which NumPy does not count) or integer; not complex."""
+    return bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
 
 
 def is_int(value: Any) -> bool:
@@ -56,9 +61,7 @@ def concrete_values(name: str, value: Any) -> np.ndarray | None:
             value = np.asarray(value)
         except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
             return None  # traced: checked by nothing, used as given
-    if isinstance(value, np.ndarray | np.generic) and (
-        np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)
-    ):
+    if isinstance(value, np.ndarray | np.generic) and _is_real_dtype(value.dtype):
         return np.asarray(value, np.float64)
     raise ValueError(
         f"`{name}` must be a number, a schedule or an array of numbers, got {value!r}."
@@ -99,6 +102,14 @@ def check_beta(name: str, value: Any) -> None:
     check_not_schedule(name, value)
     x = concrete_values(name, value)
     if x is not None and not np.all((x >= 0.0) & (x < 1.0)):
+        dtype = getattr(value, "dtype", None)
+        low = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+        if low and jnp.finfo(dtype).bits < 32 and np.any(x == 1.0):
+            raise ValueError(
+                f"`{name}` must lie in [0, 1), got {value!r}: in {jnp.dtype(dtype).name} it "
+                "rounds to 1. optax.inject_hyperparams casts hyperparameters to the "
+                "parameters' dtype; pass hyperparam_dtype=jnp.float32."
+            )
         _fail(name, value, "lie in [0, 1)")
 
 
@@ -107,6 +118,19 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
     choices = tuple(choices)
     if value not in choices:
         raise ValueError(f"`{name}` must be one of {choices!r}, got {value!r}.")
+
+
+def check_update_dtypes(updates: Any, transform: str) -> None:
+    """Rejects non-floating gradient leaves, naming the leaf (the update would be cast to
+    the gradient's integer dtype, i.e. truncated)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(updates)
+    for path, leaf in leaves:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"{transform}: gradient {jax.tree_util.keystr(path)!s} has dtype {dtype}; "
+                "gradients must be real floating point (cast them, e.g. g.astype(jnp.float32))."
+            )
 
 
 def check_param_dtypes(params: Any, transform: str) -> None:

@@ -78,7 +78,11 @@ class EmaMoments:
         *stored, g = args
         if len(stored) != self.num_stored:
             raise ValueError(f"expected {self.num_stored} moments and a gradient.")
-        gc = g.astype(stored[0].dtype)
+        # In the promoted dtype, as jnp promotes (bfloat16 moments of bfloat16 parameters
+        # under float32 gradients: float32 arithmetic); the storage casts back when writing.
+        dtype = jnp.promote_types(stored[0].dtype, g.dtype)
+        gc = g.astype(dtype)
+        stored = [m.astype(dtype) for m in stored]
         new = []
         for beta, power, m in zip(self.decays, self.powers, stored, strict=False):
             source = gc if power == 1 else gc * gc

@@ -315,6 +315,12 @@ class FloatStorage:
 
     def write(self, value: jax.Array, like: jax.Array, signed: bool) -> jax.Array:
         del like, signed
+        if jnp.finfo(self.dtype).maxexp < jnp.finfo(jnp.float32).maxexp:
+            # float16: a moment beyond its range (nu of a gradient above ~8e3) is kept at the
+            # largest finite value, as 8-bit storage keeps its scales finite; as inf it
+            # would freeze the element for good (every later update exactly 0). NaN stays.
+            big = jnp.finfo(self.dtype).max
+            value = jnp.clip(value, -big, big)
         return value.astype(self.dtype)
 
     def update(

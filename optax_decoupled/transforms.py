@@ -145,6 +145,7 @@ def add_l2_gradient(
         return AddL2GradientState(count=jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
+        V.check_update_dtypes(updates, "add_l2_gradient")
         _require_params(params, "add_l2_gradient")
         _check_shapes(updates, params, "add_l2_gradient", "parameter")
         wd = _at(weight_decay, state.count)
@@ -283,6 +284,7 @@ def decoupled_weight_decay(
         return DecoupledWeightDecayState(count=jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
+        V.check_update_dtypes(updates, "decoupled_weight_decay")
         _require_params(params, "decoupled_weight_decay")
         _check_shapes(updates, params, "decoupled_weight_decay", "parameter")
         lr_t = None if convention == "constant" else _at(learning_rate, state.count)
@@ -393,6 +395,7 @@ def scale_by_adam(
         return ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu, nu_max=nu_max)
 
     def update_fn(updates, state, params=None):
+        V.check_update_dtypes(updates, "scale_by_adam")
         count = optax.safe_increment(state.count)
         bc1 = 1 - b1**count
         bc2 = 1 - b2**count
@@ -487,6 +490,7 @@ def scale_by_lion(
         return ScaleByLionState(count=jnp.zeros([], jnp.int32), mu=mu)
 
     def update_fn(updates, state, params=None):
+        V.check_update_dtypes(updates, "scale_by_lion")
         _check_shapes(updates, state.mu, "scale_by_lion", "momentum")
         if params is not None:
             _check_shapes(updates, params, "scale_by_lion", "parameter")
@@ -507,7 +511,8 @@ def scale_by_lion(
                 step=count,
             )
             mu = store.read(old, g)
-            u = jnp.sign((1 - b1) * g.astype(mu.dtype) + b1 * mu).astype(g.dtype)
+            dt = jnp.promote_types(mu.dtype, g.dtype)  # bf16 momentum, f32 gradient: f32
+            u = jnp.sign((1 - b1) * g.astype(dt) + b1 * mu.astype(dt)).astype(g.dtype)
             return u, written
 
         u, mu = _map_unzip(leaf, updates, state.mu)

@@ -158,6 +158,38 @@ def test_integer_bool_and_complex_parameters_are_rejected(alias, dtype):
         ALIASES[alias]().init(params)
 
 
+@pytest.mark.parametrize("alias", list(ALIASES))
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, jnp.complex64])
+def test_integer_bool_and_complex_gradients_are_rejected(alias, dtype):
+    """The update was cast to the gradient's dtype: an int32 gradient's Adam step of about
+    -lr became 0 and the L2 term vanished (optax keeps float results)."""
+    params = {"w": jnp.ones((2, 2)), "b": jnp.ones((3,))}
+    tx = ALIASES[alias](mask=None)
+    grads = {"w": jnp.ones((2, 2)), "b": jnp.ones((3,), dtype)}
+    with pytest.raises(ValueError, match=r"gradient \['b'\] has dtype"):
+        tx.update(grads, tx.init(params), params)
+
+
+def test_complex_and_bfloat16_hyperparameters():
+    """A complex NumPy scalar was accepted (and made the updates complex); a bfloat16 one,
+    e.g. from inject_hyperparams on a bfloat16 model, was refused as not a number."""
+    with pytest.raises(ValueError, match="`learning_rate` must be a number"):
+        od.adamw(np.complex128(1e-3 + 1j))
+    with pytest.raises(ValueError, match="`learning_rate` must be a number"):
+        od.adamw(np.array(1e-3 + 1j))
+    od.adamw(jnp.asarray(1e-3, jnp.bfloat16))  # a real number
+    params = {"w": jnp.ones((2, 3), jnp.bfloat16)}
+    # inject_hyperparams casts every numeric hyperparameter to the parameters' dtype, where
+    # b2 = 0.999 becomes 1.0: a clear error that says what to do ...
+    with pytest.raises(ValueError, match="hyperparam_dtype=jnp.float32"):
+        optax.inject_hyperparams(od.adamw)(learning_rate=1e-3).init(params)
+    # ... and what it says works.
+    tx = optax.inject_hyperparams(od.adamw, hyperparam_dtype=jnp.float32)(learning_rate=1e-3)
+    u, _ = tx.update(params, tx.init(params), params)
+    assert np.all(np.asarray(u["w"], np.float32) < 0)  # float32 updates (a float32 lr)
+    assert optax.apply_updates(params, u)["w"].dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize("make", [lambda: od.add_l2_gradient(0.1), lambda: od.adamw(1e-3)])
 def test_update_without_params(make):
     tx = make()

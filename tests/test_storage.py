@@ -749,3 +749,67 @@ def test_stochastic_rounding_arguments():
     with pytest.raises(ValueError, match="needs the step count"):
         S.update_moments(SR, moments_fn, (jnp.zeros(3, jnp.bfloat16),), (jnp.ones(3),),
                          like=jnp.ones(3), signed=(True,))  # fmt: skip
+
+
+@pytest.mark.parametrize("alias", ["adamw", "lion"])
+def test_parameter_dtype_moments_are_computed_in_the_promoted_dtype(alias):
+    """bfloat16 parameters, float32 gradients, ``state_dtype=None``: the moments are stored
+    in bfloat16 (the parameters' dtype) but computed in float32, as jnp promotes and as the
+    storage docs say; the gradient was rounded to bfloat16 first (0.8% off in one step).
+    The same as ``state_dtype="bfloat16"``, whose moments are also computed in float32."""
+    factory = {"adamw": od.adamw, "lion": od.lion}[alias]
+    make = lambda sd: factory(1.0, mask=None, weight_decay=0.0, state_dtype=sd)  # noqa: E731
+    params = {"w": jnp.ones((64,), jnp.bfloat16)}
+    grads = [{"w": jnp.linspace(0.5, 1.5, 64, dtype=jnp.float32) * (-1.0) ** k} for k in range(3)]
+    runs = {}
+    for sd in (None, "bfloat16"):
+        tx = make(sd)
+        state, out = tx.init(params), []
+        for g in grads:
+            u, state = tx.update(g, state, params)
+            out.append(np.asarray(u["w"], np.float64))
+        assert jax.tree.leaves(state)[1].dtype == jnp.bfloat16  # stored as the parameter
+        runs[sd] = out
+    for a, b in zip(runs[None], runs["bfloat16"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+    if alias == "adamw":  # step 1 from float64: m/sqrt(v) = g/|g| exactly, up to eps
+        np.testing.assert_allclose(runs[None][0], -1.0, rtol=1e-5)
+
+
+def test_lion_sign_of_a_bfloat16_momentum_and_a_float32_gradient():
+    """(1 - b1) g + b1 m with m = 0.010009765625 (bfloat16), g = -0.01 (float32), b1 = 0.5
+    is +4.9e-6 in float64 and float32; with g rounded to bfloat16 first it was 0."""
+    tx = od.scale_by_lion(b1=0.5, b2=0.99)
+    state = tx.init({"w": jnp.zeros((1,), jnp.bfloat16)})
+    state = state._replace(mu={"w": jnp.full((1,), 0.010009765625, jnp.bfloat16)})
+    u, _ = tx.update({"w": jnp.full((1,), -0.01, jnp.float32)}, state)
+    assert float(u["w"][0]) == 1.0
+
+
+def test_float16_moments_saturate_instead_of_freezing_an_element():
+    """One gradient of 1e4 makes nu = 1e5 > float16's max (65504): stored as inf, every
+    later update of that element was exactly 0. It is kept at the largest finite value, so
+    the element moves on; the others are unaffected."""
+    params = {"w": jnp.zeros((4,))}
+    tx = od.adamw(1e-3, mask=None, weight_decay=0.0, state_dtype="float16")
+    state = tx.init(params)
+    _, state = tx.update({"w": jnp.array([1e4, 1.0, 1.0, 1.0])}, state, params)
+    nu = np.asarray(state[0].nu["w"], np.float32)
+    assert nu[0] == np.finfo(np.float16).max and np.all(np.isfinite(nu))
+    for _ in range(20):
+        u, state = tx.update({"w": jnp.ones((4,))}, state, params)
+    assert np.all(np.asarray(u["w"]) < 0), u["w"]
+    nan = tx.update({"w": jnp.array([np.nan, 1.0, 1.0, 1.0])}, state, params)[1]
+    assert np.isnan(np.asarray(nan[0].nu["w"], np.float32)[0])  # NaN is not hidden
+
+
+def test_float16_parameters_under_float32_gradients():
+    """state_dtype=None, float16 parameters, float32 gradients of size 300-500: g**2 was
+    computed in float16 (overflow to inf) and eps rounded to 0, giving -0 and -inf updates.
+    Computed in float32 (the promoted dtype), the first step is -lr * sign(g), as optax's."""
+    params = {"w": jnp.zeros((4,), jnp.float16)}
+    g = {"w": jnp.array([300.0, 1e-3, -500.0, 3e-4], jnp.float32)}
+    tx = od.adamw(1e-3, mask=None, weight_decay=0.0)
+    u, state = tx.update(g, tx.init(params), params)
+    assert state[0].nu["w"].dtype == jnp.float16
+    np.testing.assert_allclose(u["w"], -1e-3 * np.sign(g["w"]), rtol=1e-3)

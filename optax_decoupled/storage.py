@@ -276,8 +276,10 @@ class FloatStorage:
     rounding: str = "nearest"
 
     def __post_init__(self):
-        try:
-            floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
+        try:  # (jnp.dtype(None) is float64: None is not a dtype here)
+            floating = self.dtype is not None and jnp.issubdtype(
+                jnp.dtype(self.dtype), jnp.floating
+            )
         except TypeError:
             floating = False
         if not floating:
@@ -510,7 +512,8 @@ def resolve_storage(state_dtype: StateDtype, *, argument: str = "state_dtype") -
     if name is None:
         raise ValueError(
             f"`{argument}` must be None (the parameter dtype), 'float32', 'bfloat16', "
-            f"'float16', 'float64' (or the matching jnp dtype), 'int8' (8-bit block-wise) or "
+            f"'float16', 'float64' (or the matching jnp dtype), the string 'int8' (8-bit "
+            f"block-wise) or "
             f"a storage object such as BlockwiseInt8Storage(block_size=2048), got "
             f"{state_dtype!r}."
         )

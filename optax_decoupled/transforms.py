@@ -211,8 +211,8 @@ def _resolve_peak(convention: str, learning_rate: Any, peak_learning_rate: Any) 
         return None  # a constant learning rate is its own peak: decay_rate uses ratio 1
     raise ValueError(
         f"The decay convention {convention!r} divides by the peak learning rate η_peak, which "
-        "cannot be "
-        "read off a schedule or an injected/traced learning rate: pass `peak_learning_rate` "
+        "cannot be read off a schedule or a JAX-array learning rate (injected, traced or "
+        "not; a Python or NumPy number is its own peak): pass `peak_learning_rate` "
         "(e.g. the peak_value of your warmup-cosine schedule)."
     )
 

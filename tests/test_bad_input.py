@@ -170,6 +170,12 @@ def test_integer_bool_and_complex_gradients_are_rejected(alias, dtype):
         tx.update(grads, tx.init(params), params)
 
 
+def test_float_storage_refuses_none():
+    """jnp.dtype(None) is float64: FloatStorage(None) was accepted as float64 storage."""
+    with pytest.raises(ValueError, match="`dtype` of FloatStorage must be a floating dtype"):
+        od.FloatStorage(None)
+
+
 def test_complex_and_bfloat16_hyperparameters():
     """A complex NumPy scalar was accepted (and made the updates complex); a bfloat16 one,
     e.g. from inject_hyperparams on a bfloat16 model, was refused as not a number."""

@@ -426,16 +426,15 @@ def packed(
     # another library's take it for one truthy prefix, so they get a pytree of bools.
     own = getattr(inspect.unwrap(factory), "__module__", "").startswith("optax_decoupled.")
 
-    def build(args, kwargs, inner_mask):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        bound.arguments["mask"] = inner_mask
-        return factory(*bound.args, **bound.kwargs)
-
     @functools.wraps(factory)
     def packed_factory(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
+
+        def build(inner_mask):
+            bound.arguments["mask"] = inner_mask
+            return factory(*bound.args, **bound.kwargs)
+
         mask = None
         if not has_mask:
             inner = factory(*bound.args, **bound.kwargs)
@@ -443,12 +442,12 @@ def packed(
             mask = bound.arguments["mask"]
             masks_lib.check_mask_arg(mask)
             if own:
-                inner = build(args, kwargs, PACKED_MASK)
+                inner = build(PACKED_MASK)
             else:
-                build(args, kwargs, None)  # checks the other arguments now, not at init
+                build(None)  # checks the other arguments now, not at init
 
                 def inner(layout):
-                    return build(args, kwargs, layout.decay_tree())
+                    return build(layout.decay_tree())
 
         return packed_transform(inner, mask, align=align, max_leaf_size=max_leaf_size)
 

@@ -956,13 +956,14 @@ def run_experiment(
         os.makedirs(out, exist_ok=True)
     t_start = time.perf_counter()
     probs = problems(config)
+    device = simulation_device()
     sims: dict[str, SimResult] = {}
     doc: dict[str, Any] = {
         "schema": "optax_decoupled.reddi/1",
         "settings": dataclasses.asdict(config),
         "versions": versions(),
-        "device": str(simulation_device()),
-        "platform": simulation_device().platform,
+        "device": str(device),
+        "platform": device.platform,
         "cpu_count": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "comparisons": {},

@@ -33,7 +33,6 @@ import functools
 import itertools
 import json
 import math
-import numbers
 import os
 import time
 import warnings
@@ -46,6 +45,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from optax_decoupled import _validation as V
 from optax_decoupled.experiments import tasks as tasks_lib
 from optax_decoupled.experiments.ssm import Mamba2Model, SSMConfig
 
@@ -181,13 +181,9 @@ def warmup_cosine(
 
 
 def _check_schedule_steps(total_steps: Any, warmup_steps: Any) -> None:
-    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+    if not V.is_int(total_steps) or total_steps < 1:
         raise ValueError(f"`total_steps` must be an int >= 1, got {total_steps!r}.")
-    if (
-        isinstance(warmup_steps, bool)
-        or not isinstance(warmup_steps, int)
-        or not 0 <= warmup_steps < total_steps
-    ):
+    if not V.is_int(warmup_steps) or not 0 <= warmup_steps < total_steps:
         raise ValueError(
             f"`warmup_steps` must be an int with 0 <= warmup_steps < total_steps "
             f"({total_steps}), got {warmup_steps!r}."
@@ -223,13 +219,9 @@ def scheduled(
         not ``None`` or a finite number > 0 (a negative one would turn descent into ascent).
     """
     _check_schedule_steps(total_steps, warmup_steps)
-    if clip_norm is not None and not (
-        isinstance(clip_norm, numbers.Real)
-        and not isinstance(clip_norm, bool)
-        and math.isfinite(clip_norm)
-        and clip_norm > 0
-    ):
-        raise ValueError(f"`clip_norm` must be None or a finite number > 0, got {clip_norm!r}.")
+    if clip_norm is not None:
+        V.check_not_schedule("clip_norm", clip_norm)
+        V.check_positive("clip_norm", clip_norm)
 
     def make_tx(**hparams: Any) -> optax.GradientTransformation:
         if lr_name not in hparams:

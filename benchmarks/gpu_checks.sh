@@ -5,7 +5,8 @@
 #      target: >= 80% of peak memory bandwidth at >= 1e8 parameters), ~3 minutes;
 #   2. where a many-leaf step's time goes: per-call host cost vs device work
 #      (benchmarks/step_overhead.py), ~1 minute;
-#   3. 8-bit and bf16 against fp32 AdamW state: step time and bytes (benchmarks/state_memory.py);
+#   3. low-precision state between the steps of one program (benchmarks/excess_precision.py),
+#      and 8-bit and bf16 against fp32 AdamW state: step time and bytes (state_memory.py);
 #   4. the test suite on the GPU backend (pytest-xdist when installed; the notebooks are not
 #      run here), ~6 minutes on 8 workers: the long float32 loops of test_reddi and
 #      test_reliability take 1-2 minutes each on a GPU.
@@ -20,9 +21,10 @@
 # (OPTAX_DECOUPLED_NO_KERNEL=1), instead of failing as they do in CI, where it must be built.
 #   RESULTS=/tmp/gpu bash benchmarks/gpu_checks.sh
 #
-# Each stage has a time limit (GPU_BENCH_S, GPU_OVERHEAD_S, GPU_STATE_S, GPU_TESTS_S seconds)
-# so that the whole run fits a lease; a stage that runs out is reported as such (rc 124) and
-# the next one still runs. Results of the last run: docs/results/gpu/, docs/performance.md.
+# Each stage has a time limit (GPU_BENCH_S, GPU_OVERHEAD_S, GPU_EXCESS_S, GPU_STATE_S,
+# GPU_TESTS_S seconds) so that the whole run fits a lease; a stage that runs out is reported
+# as such (rc 124) and the next one still runs. Results of the last runs: docs/results/gpu/,
+# docs/devices.md, docs/performance.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python || command -v python3)}
@@ -65,6 +67,8 @@ stage bench "${GPU_BENCH_S:-300}" bash benchmarks/gpu.sh --group-budget "${GROUP
   --out "$RESULTS/update_step_gpu.json"
 stage overhead "${GPU_OVERHEAD_S:-120}" "$PYTHON" benchmarks/step_overhead.py --sizes 1e8 \
   --leaves 1 200 --repeats 5 --out "$RESULTS/step_overhead_gpu.json"
+stage excess "${GPU_EXCESS_S:-60}" "$PYTHON" benchmarks/excess_precision.py \
+  --json "$RESULTS/excess_precision_gpu.json"
 stage state "${GPU_STATE_S:-90}" "$PYTHON" benchmarks/state_memory.py --sizes 1e8 2e8 --ragged \
   --repeats 30 --json "$RESULTS/state_memory_gpu.json"
 

@@ -138,6 +138,36 @@ def _bf16_kernel_applies(fn, stored, operands) -> bool:
     return cpu_kernel.applies_bf16(fn, tuple(stored), tuple(operands))
 
 
+def narrow(value: jax.Array, dtype: Any) -> jax.Array:
+    r"""``value.astype(dtype)``, rounded even where XLA would keep the excess precision.
+
+    XLA's simplifier (``xla_allow_excess_precision``, on by default on CPU and GPU) rewrites
+    :math:`\mathrm{convert}(\mathrm{convert}(x, \mathrm{bf16}), \mathrm{f32})` to
+    :math:`x`. In one jitted program that runs several optimizer steps, a moment stored in a
+    narrower dtype and read back by the next step would then skip its rounding, and the result
+    would depend on how many steps a program holds (seen on CPU with XLA's bfloat16 program
+    and on an H200, ``docs/devices.md``). So a narrowing cast rounds explicitly first:
+    float32 to bfloat16 by :func:`jax.lax.reduce_precision` (the same round to nearest even,
+    bit for bit, and it fuses), other narrowings through :func:`jax.lax.optimization_barrier`
+    after the cast, which the rewrite cannot see through (``reduce_precision`` would flush
+    float16's subnormals). Other casts are plain ``astype``.
+    """
+    dtype = jnp.dtype(dtype)
+    src = jnp.result_type(value)
+    if not (
+        jnp.issubdtype(src, jnp.floating)
+        and jnp.issubdtype(dtype, jnp.floating)
+        and jnp.finfo(dtype).nmant < jnp.finfo(src).nmant
+    ):
+        return value.astype(dtype)
+    if dtype == jnp.bfloat16 and src == jnp.float32:
+        info = jnp.finfo(dtype)
+        return jax.lax.reduce_precision(
+            value, exponent_bits=info.nexp, mantissa_bits=info.nmant
+        ).astype(dtype)
+    return jax.lax.optimization_barrier(value.astype(dtype))
+
+
 def _read_compute_write(store, fn, stored, operands, like, signed, return_old=False):
     values = fn(*(store.read(s, like) for s in stored), *operands)
     new = tuple(store.write(v, like, signed=sg) for v, sg in zip(values, signed, strict=True))
@@ -167,7 +197,7 @@ class ParamDtypeStorage:
     def write(self, value: jax.Array, like: jax.Array, signed: bool) -> jax.Array:
         """``value`` in ``like``'s dtype (``like``: the parameter, or a moment of its dtype)."""
         del signed
-        return value.astype(jnp.result_type(like))
+        return narrow(value, jnp.result_type(like))
 
     def update(
         self,
@@ -323,7 +353,7 @@ class FloatStorage:
             # would freeze the element for good (every later update exactly 0). NaN stays.
             big = jnp.finfo(self.dtype).max
             value = jnp.clip(value, -big, big)
-        return value.astype(self.dtype)
+        return narrow(value, self.dtype)
 
     def update(
         self,

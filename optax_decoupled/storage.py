@@ -141,31 +141,41 @@ def _bf16_kernel_applies(fn, stored, operands) -> bool:
 def narrow(value: jax.Array, dtype: Any) -> jax.Array:
     r"""``value.astype(dtype)``, rounded even where XLA would keep the excess precision.
 
-    XLA's simplifier (``xla_allow_excess_precision``, on by default on CPU and GPU) rewrites
+    XLA:GPU's simplifier (``xla_allow_excess_precision``, on by default) rewrites
     :math:`\mathrm{convert}(\mathrm{convert}(x, \mathrm{bf16}), \mathrm{f32})` to
     :math:`x`. In one jitted program that runs several optimizer steps, a moment stored in a
     narrower dtype and read back by the next step would then skip its rounding, and the result
-    would depend on how many steps a program holds (seen on CPU with XLA's bfloat16 program
-    and on an H200, ``docs/devices.md``). So a narrowing cast rounds explicitly first:
-    float32 to bfloat16 by :func:`jax.lax.reduce_precision` (the same round to nearest even,
-    bit for bit, and it fuses), other narrowings through :func:`jax.lax.optimization_barrier`
-    after the cast, which the rewrite cannot see through (``reduce_precision`` would flush
-    float16's subnormals). Other casts are plain ``astype``.
+    would depend on how many steps a program holds (measured on an H200,
+    ``docs/devices.md``). So off the CPU a narrowing cast rounds explicitly: float32 to
+    bfloat16 by :func:`jax.lax.reduce_precision` (the same round to nearest even, bit for bit,
+    fused into the step), other narrowings through :func:`jax.lax.optimization_barrier` after
+    the cast, which the rewrite cannot see through (``reduce_precision`` would flush float16's
+    subnormals). XLA:CPU keeps the pair, and there the cast is a plain ``astype`` (chosen by
+    :func:`jax.lax.platform_dependent`), as are casts that narrow nothing.
     """
+    value = jnp.asarray(value)
     dtype = jnp.dtype(dtype)
     src = jnp.result_type(value)
-    if not (
+    narrows = (
         jnp.issubdtype(src, jnp.floating)
         and jnp.issubdtype(dtype, jnp.floating)
-        and jnp.finfo(dtype).nmant < jnp.finfo(src).nmant
-    ):
+        and dtype != src
+        and (
+            jnp.finfo(dtype).nmant < jnp.finfo(src).nmant
+            or jnp.finfo(dtype).maxexp < jnp.finfo(src).maxexp
+        )
+    )
+    if not narrows:
         return value.astype(dtype)
-    if dtype == jnp.bfloat16 and src == jnp.float32:
-        info = jnp.finfo(dtype)
-        return jax.lax.reduce_precision(
-            value, exponent_bits=info.nexp, mantissa_bits=info.nmant
-        ).astype(dtype)
-    return jax.lax.optimization_barrier(value.astype(dtype))
+
+    def keep_rounding(v):
+        if dtype == jnp.bfloat16 and src == jnp.float32:
+            info = jnp.finfo(dtype)
+            v = jax.lax.reduce_precision(v, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+            return v.astype(dtype)
+        return jax.lax.optimization_barrier(v.astype(dtype))
+
+    return jax.lax.platform_dependent(value, cpu=lambda v: v.astype(dtype), default=keep_rounding)
 
 
 def _read_compute_write(store, fn, stored, operands, like, signed, return_old=False):
@@ -454,7 +464,7 @@ class BlockwiseInt8Storage:
 
     def write(self, value: jax.Array, like: jax.Array, signed: bool) -> Any:
         if not self.quantizes(like):
-            return value.astype(jnp.float32)
+            return narrow(value, jnp.float32)  # (float64 moments of x64 parameters)
         return quant_lib.quantize(value, signed=signed, block_size=self.block_size)
 
     def update(

@@ -285,7 +285,7 @@ def test_cli_writes_results_and_figures(tmp_path, monkeypatch, capsys):
     assert doc["schema"] == "optax_decoupled.reddi/1"
     assert set(doc["versions"]) >= {"jax", "optax", "optax_decoupled", "python"}
     # where the simulations ran: the CPU device by default, also on a GPU host
-    assert doc["device"] and doc["platform"] == reddi.simulation_device().platform == "cpu"
+    assert doc["device"] and doc["platform"] == reddi.simulation_device().platform
     assert set(doc["comparisons"]) == {
         "theorem1",
         "figure1_online",

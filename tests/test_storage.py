@@ -839,6 +839,35 @@ def test_narrow_rounds_as_astype(dtype):
 
 
 @pytest.mark.parametrize(
+    ("storage", "param_dtype", "op"),
+    [
+        (
+            S.FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False),
+            jnp.float32,
+            "reduce_precision",
+        ),
+        (S.FloatStorage(jnp.float16, "float16"), jnp.float32, "optimization_barrier"),
+        (S.ParamDtypeStorage(), jnp.bfloat16, "reduce_precision"),
+        (S.BlockwiseInt8Storage(), jnp.float64, "optimization_barrier"),  # a small leaf: f32
+    ],
+    ids=["bfloat16", "float16", "bfloat16-params", "int8-small-leaf-x64"],
+)
+def test_the_gpu_program_keeps_the_rounding_the_cpu_program_a_plain_cast(storage, param_dtype, op):
+    """What ``storage.narrow`` compiles to, lowered for both platforms here (no GPU needed):
+    for a GPU, the cast XLA:GPU cannot drop (reduce_precision for float32 to bfloat16, an
+    optimization barrier otherwise; see test_a_moment_read_back_in_the_same_program_is_rounded
+    for why); for the CPU, whose XLA keeps the cast, neither (no cost there)."""
+    with jax.enable_x64(param_dtype == jnp.float64):
+        like = jnp.zeros((64,), param_dtype)
+        value = jnp.zeros((64,), jnp.promote_types(param_dtype, jnp.float32))
+        write = jax.jit(lambda v: storage.write(v, like, signed=True))
+        gpu = jax.export.export(write, platforms=["cuda"])(value).mlir_module()
+        cpu = jax.export.export(write, platforms=["cpu"])(value).mlir_module()
+    assert op in gpu, gpu
+    assert "reduce_precision" not in cpu and "optimization_barrier" not in cpu, cpu
+
+
+@pytest.mark.parametrize(
     ("storage", "param_dtype"),
     [
         (S.FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False), jnp.float32),
@@ -852,7 +881,8 @@ def test_a_moment_read_back_in_the_same_program_is_rounded(storage, param_dtype)
     several optimizer steps) holds the stored dtype's value. XLA:GPU's simplifier rewrites
     convert(convert(x, bf16), f32) to x (docs/devices.md; seen on an H200), which would keep
     the excess precision; XLA:CPU keeps the pair, so on a CPU-only machine this passes with
-    a plain cast too: it guards the GPU backend (run there, see docs/devices.md)."""
+    a plain cast too: it guards the GPU backend (run there, see docs/devices.md). What the
+    GPU program contains is checked on any machine by the test above."""
     like = jnp.zeros((4096,), param_dtype)
     value = jnp.asarray(_float32_patterns(4096, seed=1)).clip(-1e4, 1e4)
     value = jnp.where(jnp.isnan(value), 0.0, value)

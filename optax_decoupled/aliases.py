@@ -18,8 +18,9 @@ alias              chain
    every parameter of a group and ``optax.adamw`` every leaf unless given a mask. Pass
    ``mask=None`` to reproduce them exactly.
 
-Every hyperparameter accepts a float or an array, and the learning rate and the weight decay
-also an ``optax`` schedule (a function of the step count); all aliases work inside
+Every hyperparameter accepts a float or an array (which must broadcast to every parameter's
+shape without changing it), and the learning rate and the weight decay also an ``optax``
+schedule (a function of the step count); all aliases work inside
 ``optax.inject_hyperparams`` (learning rate and weight decay can be injected and
 ``jax.vmap``-ed), ``optax.MultiSteps``, ``optax.apply_if_finite`` and ``optax.chain``.
 """
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from optax_decoupled import _validation as V
@@ -39,6 +42,33 @@ from optax_decoupled import transforms
 def _check_lr(learning_rate: Any) -> None:
     if not callable(learning_rate):
         V.check_non_negative("learning_rate", learning_rate)
+
+
+def _scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+    """``optax.scale_by_learning_rate`` (same state), with a ``ValueError`` where the learning
+    rate's shape would change an update's by broadcasting: checked up front for an array
+    (:func:`~optax_decoupled.transforms.check_hyperparameter_shapes`), on the scaled updates
+    for a schedule (not called twice, nor traced where the update runs eagerly)."""
+    inner = optax.scale_by_learning_rate(learning_rate)
+
+    def update_fn(updates, state, params=None):
+        if not callable(learning_rate):
+            transforms.check_hyperparameter_shapes(
+                "scale_by_learning_rate", {"learning_rate": learning_rate}, updates
+            )
+        scaled, state = inner.update(updates, state, params)
+        leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
+        for (path, u), v in zip(leaves, jax.tree.leaves(scaled), strict=True):
+            if jnp.shape(v) != jnp.shape(u):
+                raise ValueError(
+                    f"scale_by_learning_rate: `learning_rate` (a schedule) changed the shape "
+                    f"of the update at {jax.tree_util.keystr(path)} from {jnp.shape(u)} to "
+                    f"{jnp.shape(v)}; hyperparameters must be scalars or arrays that "
+                    "broadcast to every parameter's shape."
+                )
+        return scaled, state
+
+    return optax.GradientTransformation(inner.init, update_fn)
 
 
 def adam_l2(
@@ -81,7 +111,7 @@ def adam_l2(
     return optax.chain(
         transforms.add_l2_gradient(weight_decay, mask=mask),
         transforms.scale_by_adam(b1, b2, eps, eps_root, amsgrad=amsgrad, state_dtype=state_dtype),
-        optax.scale_by_learning_rate(learning_rate),
+        _scale_by_learning_rate(learning_rate),
     )
 
 
@@ -133,7 +163,7 @@ def adamw(
     V.check_choice("decay_convention", decay_convention, transforms.DECAY_CONVENTIONS)
     return optax.chain(
         transforms.scale_by_adam(b1, b2, eps, eps_root, amsgrad=amsgrad, state_dtype=state_dtype),
-        optax.scale_by_learning_rate(learning_rate),
+        _scale_by_learning_rate(learning_rate),
         transforms.decoupled_weight_decay(
             weight_decay,
             convention=decay_convention,
@@ -234,7 +264,7 @@ def lion(
     V.check_choice("decay_convention", decay_convention, transforms.DECAY_CONVENTIONS)
     return optax.chain(
         transforms.scale_by_lion(b1, b2, state_dtype=state_dtype),
-        optax.scale_by_learning_rate(learning_rate),
+        _scale_by_learning_rate(learning_rate),
         transforms.decoupled_weight_decay(
             weight_decay,
             convention=decay_convention,

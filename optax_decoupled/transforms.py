@@ -88,6 +88,35 @@ def _check_shapes(updates: Any, reference: Any, name: str, what: str) -> None:
             )
 
 
+def check_hyperparameter_shapes(transform: str, values: dict[str, Any], updates: Any) -> None:
+    """Raises ``ValueError`` naming a hyperparameter whose array shape does not broadcast to
+    an update's shape without changing it (a ``(3, 1)`` weight decay against a ``(3,)``
+    parameter would make a ``(3, 3)`` update). Scalars, ``None`` and arrays that broadcast
+    to every leaf (e.g. one of the parameter's own shape) pass; shapes are static, so
+    traced values are checked too."""
+    shaped = {n: jnp.shape(v) for n, v in values.items() if v is not None and jnp.ndim(v)}
+    if not shaped:
+        return
+    for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        target = jnp.shape(u)
+        for name, shape in shaped.items():
+            try:
+                fits = np.broadcast_shapes(shape, target) == target
+            except ValueError:
+                fits = False
+            if not fits:
+                raise ValueError(
+                    f"{transform}: `{name}` has shape {shape}, which does not broadcast to the "
+                    f"update at {jax.tree_util.keystr(path)} of shape {target}; hyperparameters "
+                    "must be scalars or arrays that broadcast to every parameter's shape."
+                )
+
+
+def _decayed(updates: Any, decays: Any) -> Any:
+    """The leaves of ``updates`` that the decay mask ``decays`` selects (others ``None``)."""
+    return jax.tree.map(lambda u, m: u if m else None, updates, decays)
+
+
 def _require_params(params: Any, name: str) -> None:
     if params is None:
         raise ValueError(
@@ -150,6 +179,9 @@ def add_l2_gradient(
         _check_shapes(updates, params, "add_l2_gradient", "parameter")
         wd = _at(weight_decay, state.count)
         decays = masks_lib.resolve_mask(mask, params)
+        check_hyperparameter_shapes(
+            "add_l2_gradient", {"weight_decay": wd}, _decayed(updates, decays)
+        )
         updates = jax.tree.map(
             lambda g, p, m: (g + wd * p).astype(jnp.result_type(g)) if m else g,
             updates,
@@ -288,8 +320,14 @@ def decoupled_weight_decay(
         _require_params(params, "decoupled_weight_decay")
         _check_shapes(updates, params, "decoupled_weight_decay", "parameter")
         lr_t = None if convention == "constant" else _at(learning_rate, state.count)
-        s = decay_rate(_at(weight_decay, state.count), convention, lr_t, peak)
+        wd_t = _at(weight_decay, state.count)
         decays = masks_lib.resolve_mask(mask, params)
+        check_hyperparameter_shapes(
+            "decoupled_weight_decay",
+            {"weight_decay": wd_t, "learning_rate": lr_t, "peak_learning_rate": peak},
+            _decayed(updates, decays),
+        )
+        s = decay_rate(wd_t, convention, lr_t, peak)
         updates = jax.tree.map(
             lambda u, p, m: (u - s * p).astype(jnp.result_type(u)) if m else u,
             updates,
@@ -403,6 +441,9 @@ def scale_by_adam(
         _check_shapes(updates, state.mu, "scale_by_adam", "first moment")
         if params is not None:
             _check_shapes(updates, params, "scale_by_adam", "parameter")
+        check_hyperparameter_shapes(
+            "scale_by_adam", {"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root}, updates
+        )
 
         # Element-wise: (mu, nu[, nu_max]) at t-1 and g -> the same at t.
         moments = EmaMoments(
@@ -494,6 +535,7 @@ def scale_by_lion(
         _check_shapes(updates, state.mu, "scale_by_lion", "momentum")
         if params is not None:
             _check_shapes(updates, params, "scale_by_lion", "parameter")
+        check_hyperparameter_shapes("scale_by_lion", {"b1": b1, "b2": b2}, updates)
 
         momentum = EmaMoments((b2,), (1,))
         count = optax.safe_increment(state.count)

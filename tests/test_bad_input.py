@@ -78,6 +78,72 @@ def test_inject_hyperparams_checks_concrete_values_at_init():
     jax.jit(tx.update)(params, state, params)  # traced there: not checked, and valid anyway
 
 
+_HYPERPARAMETERS = {  # name: (the transform that uses it, a valid value)
+    "learning_rate": ("scale_by_learning_rate", 1e-3),
+    "weight_decay": ("(decoupled_weight_decay|add_l2_gradient)", 1e-3),
+    "b1": ("scale_by_(adam|lion)", 0.9),
+    "b2": ("scale_by_(adam|lion)", 0.99),
+    "eps": ("scale_by_adam", 1e-8),
+    "eps_root": ("scale_by_adam", 0.0),
+}
+
+
+@pytest.mark.parametrize(
+    ("alias", "name"),
+    [(a, n) for a in ALIASES for n in _HYPERPARAMETERS if a != "lion" or not n.startswith("eps")],
+)
+def test_hyperparameter_arrays_must_broadcast_to_the_parameters(alias, name):
+    """An array hyperparameter whose shape would change the update's by broadcasting ((3, 1)
+    against a (3,) parameter: a (3, 3) update) is a ValueError naming it, also traced; before,
+    adam_l2's learning rate and adamw's weight decay gave (3, 3) updates silently. Arrays of
+    the parameter's shape (per-element values) still work."""
+    transform, value = _HYPERPARAMETERS[name]
+    params = {"w": jnp.ones((3,)), "b": jnp.ones((3,))}
+    tx = ALIASES[alias](mask=None, **{name: jnp.full((3, 1), value)})
+    with pytest.raises(ValueError, match=rf"{transform}: `{name}` has shape \(3, 1\)"):
+        jax.jit(tx.update)(params, tx.init(params), params)
+    tx = ALIASES[alias](mask=None, **{name: jnp.full((3,), value)})
+    updates, _ = jax.jit(tx.update)(params, tx.init(params), params)
+    assert jax.tree.map(jnp.shape, updates) == jax.tree.map(jnp.shape, params)
+
+
+def test_a_schedules_array_learning_rate_is_checked_too():
+    tx = od.adam_l2(lambda count: jnp.full((2, 1), 1e-3), weight_decay=0.0, mask=None)
+    params = {"w": jnp.ones((2,))}
+    with pytest.raises(
+        ValueError, match=r"`learning_rate` \(a schedule\) changed the shape .* from \(2,\) to"
+    ):
+        tx.update(params, tx.init(params), params)
+
+
+@pytest.mark.parametrize("alias", list(ALIASES))
+def test_schedules_with_python_control_flow_run_eagerly(alias):
+    """The learning rate's shape check does not trace the schedule: one that branches on the
+    step count in Python still works in an eager update (as with optax's own chain)."""
+    params = {"w": jnp.ones((4, 3))}
+    tx = ALIASES[alias](learning_rate=lambda count: 1e-3 if count < 10 else 1e-4)
+    updates, _ = tx.update(params, tx.init(params), params)
+    assert updates["w"].shape == (4, 3)
+
+
+def test_per_row_weight_decay_is_checked_on_the_decayed_leaves_only():
+    """A (4, 1) weight decay (one value per row of the one decayed matrix) with the default
+    mask: the bias, which is not decayed and to whose (3,) shape (4, 1) does not broadcast,
+    is not checked, and every row decays at its own rate (AdamW: -lr * wd_row * w; Adam + L2
+    with zero gradients: Adam's step -lr * sign, where wd_row > 0)."""
+    params = {"w": jnp.ones((4, 3)), "bias": jnp.ones((3,))}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    wd = jnp.array([[0.0], [0.1], [0.2], [0.3]])
+    for tx in (od.adamw(1.0, weight_decay=wd), od.adam_l2(1.0, weight_decay=wd)):
+        updates, _ = tx.update(zeros, tx.init(params), params)
+        assert jax.tree.map(jnp.shape, updates) == jax.tree.map(jnp.shape, params)
+        assert float(jnp.abs(updates["bias"]).max()) == 0.0
+        assert float(updates["w"][0].max()) == 0.0 and bool(jnp.all(updates["w"][1:] < 0))
+    tx = od.adamw(1.0, weight_decay=wd)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    np.testing.assert_allclose(updates["w"], -wd * jnp.ones((4, 3)), rtol=1e-6)
+
+
 @pytest.mark.parametrize("alias", ADAM_ALIASES)
 @pytest.mark.parametrize("name", ["eps", "eps_root"])
 def test_eps_must_be_non_negative(alias, name):

@@ -205,6 +205,15 @@ CASES: dict[str, Case] = {
         "a gradient leaf whose shape only broadcasts to its parameter's ((3,) for (2, 3))",
         lambda: _update(od.adamw(1e-3), {"w": jnp.ones((3,)), "b": jnp.ones(3)}),
     ),
+    "hyperparameter-shape": Case(
+        "an array hyperparameter whose shape does not broadcast to a parameter's without "
+        "changing it ((3, 1) against (2, 3); checked by `update` on the leaves it applies to, "
+        "traced arrays too; a schedule's value on the scaled updates)",
+        lambda: _update(
+            od.adamw(1e-3, weight_decay=jnp.full((3, 1), 0.1)),
+            {"w": jnp.ones((2, 3)), "b": jnp.ones(3)},
+        ),
+    ),
     "grads-shape-8bit": Case(
         "a gradient leaf of another size than its 8-bit moment's, `update` without `params` "
         "(with `params`, any other shape is named as above)",
@@ -249,6 +258,8 @@ DOCUMENTED = [
     r"^pytree structure error: ",  # JAX's tree utilities, naming the key path
     r"^Custom node type mismatch",  # JAX, for NamedTuple/dataclass containers
     r"^\w+: the update at .* has shape .* but the .* has shape",
+    r"^\w+: `\w+` has shape .*, which does not broadcast to the update at ",
+    r"^scale_by_learning_rate: `learning_rate` \(a schedule\) changed the shape of the update",
 ]
 
 

@@ -256,6 +256,12 @@ def test_injected_nonfinite_steps_are_absent_steps(nonfinite_setup, absent_run, 
     records = train_lib.read_jsonl(metrics)
     assert [r["skipped_steps"] for r in records if r["event"] == "final"] == [2, 2]
     assert [r["skipped_steps"] for r in records if r["event"] == "eval"] == [1, 1, 2, 2]
+    # An eval record's train_loss is the mean of its window's finite losses (the skipped
+    # steps' NaN/Inf losses left out; it was NaN): steps 1-5 and 6-10, without 3 and 6.
+    for r in (r for r in records if r["event"] == "eval"):
+        losses = result.runs[r["run"]].train_loss[r["step"] - 5 : r["step"]]
+        assert not np.isfinite(losses).all()  # each window holds one skipped step's loss
+        assert r["train_loss"] == pytest.approx(np.mean(losses[np.isfinite(losses)]), rel=1e-6)
 
 
 def test_resume_after_corrupt_latest_checkpoint(nonfinite_setup, absent_run, tmp_path):

@@ -801,7 +801,9 @@ def train_grid(
       stop_at: stop after this many steps (>= 1; saving a checkpoint), to emulate an
         interruption.
       metrics_path: append JSON lines here (``"eval"`` records per configuration and
-        evaluation, a ``"final"`` record per configuration). A resume first cuts the file
+        evaluation, whose ``train_loss`` is the mean training loss since the previous
+        evaluation, of the finite losses only with ``skip_nonfinite``; a ``"final"`` record
+        per configuration). A resume first cuts the file
         back to where it ended at the checkpoint, so no record is written twice.
       keep_params: store each configuration's final parameters in its :class:`RunResult`.
       desc: progress-bar label.
@@ -965,6 +967,9 @@ def train_grid(
             since = (done - 1) // config.eval_every * config.eval_every  # the last eval's step
             records = []
             for i in range(k):
+                window = history["loss"][i, since:done]
+                if config.skip_nonfinite:  # a skipped step's NaN/Inf loss moved nothing
+                    window = window[np.isfinite(window)]
                 rec = {"step": done, **{n: float(v[i]) for n, v in results.items()}}
                 if "skipped_steps" in results:  # a count, not a measurement
                     rec["skipped_steps"] = int(results["skipped_steps"][i])
@@ -975,7 +980,7 @@ def train_grid(
                         "run": i,
                         "seed": int(seeds_arr[i]),
                         "hparams": {n: float(v[i]) for n, v in hp.items()},
-                        "train_loss": float(np.mean(history["loss"][i, since:done])),
+                        "train_loss": float(np.mean(window)) if window.size else float("nan"),
                         **rec,
                     }
                 )

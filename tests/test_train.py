@@ -162,7 +162,7 @@ def test_resume_errors(task, model_config, grid, tmp_path):
     run = lambda d, **kw: train_lib.train_grid(  # noqa: E731
         task,
         model_config,
-        MAKE_TX,
+        kw.pop("make_tx", MAKE_TX),
         kw.pop("hp", HPARAMS),
         SEEDS,
         LOOP,
@@ -180,6 +180,11 @@ def test_resume_errors(task, model_config, grid, tmp_path):
     other = {**HPARAMS, "weight_decay": [0.5, 0.5, 0.5]}
     with pytest.raises(train_lib.CheckpointError, match="different run"):
         run(root / "ckpt", hp=other)
+    # Another optimizer with the same state structure and grid: a fixed setting inside
+    # make_tx (the clipping threshold here) is told apart by the optimizer's fingerprint.
+    clipped = train_lib.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=0.5)
+    with pytest.raises(train_lib.CheckpointError, match="optimizer computes something else"):
+        run(root / "ckpt", make_tx=clipped)
     # Corrupt: overwrite every array file of the latest checkpoint with garbage.
     corrupt = tmp_path / "corrupt"
     shutil.copytree(root / "ckpt", corrupt)
@@ -193,6 +198,34 @@ def test_resume_errors(task, model_config, grid, tmp_path):
     assert damaged > 0
     with pytest.raises(train_lib.CheckpointError, match="corrupt"):
         run(corrupt)
+
+
+def test_optimizer_fingerprint(monkeypatch, task, model_config, grid):
+    """The fingerprint of resumes: equal for equal factories (also a new but equal one),
+    different for any fixed setting inside make_tx, blind to the grid's values; a checkpoint
+    of other versions resumes with a warning that the check was not possible."""
+    params = {"w": jnp.ones((4, 3)), "b": jnp.ones((3,))}
+    names = sorted(HPARAMS)
+
+    def fp(make_tx):
+        return train_lib.optimizer_fingerprint(make_tx, params, names)["sha256"]
+
+    same = train_lib.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=1.0)
+    assert fp(MAKE_TX) == fp(same)
+    for other in (
+        train_lib.scheduled(optax.adamw, total_steps=STEPS + 1, warmup_steps=2, clip_norm=1.0),
+        train_lib.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=3, clip_norm=1.0),
+        train_lib.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=1.0, b1=0.8),
+        train_lib.scheduled(od.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=1.0, mask=None),
+    ):
+        assert fp(other) != fp(MAKE_TX)
+    _, root = grid
+    monkeypatch.setattr(od, "__version__", "0.0.0+other")
+    with pytest.warns(UserWarning, match="cannot be checked"):
+        train_lib.train_grid(
+            task, model_config, MAKE_TX, HPARAMS, SEEDS, LOOP,
+            checkpoint_dir=root / "ckpt", resume=True,
+        )  # fmt: skip
 
 
 def test_restore_checkpoint_roundtrip_and_missing_step(tmp_path):

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 import json
 import math
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -564,6 +566,42 @@ def restore_checkpoint(
 # ---------------------------------------------------------------------------------------------
 
 
+def optimizer_fingerprint(
+    make_tx: MakeTx, params: PyTree, hparam_names: Sequence[str] = ()
+) -> dict[str, Any]:
+    """What one configuration's optimizer computes, as a hash, to tell a resume with another
+    optimizer from one with the same.
+
+    The hash is of the jaxpr of ``make_tx(**hparams).init`` and ``.update`` on ``params``'
+    shapes and dtypes (a gradient of the same shapes), with the hyperparameters named in
+    ``hparam_names`` as inputs: the grid's values, compared on their own, do not enter it,
+    while every fixed setting inside ``make_tx`` (a schedule's length, clipping, a fixed
+    weight decay, the state's dtype, the transforms themselves) does, as constants or
+    equations. Function addresses, which jaxprs print for custom derivatives, are removed.
+    The text depends on the versions of JAX, Optax and this package, returned with it:
+    fingerprints of other versions are not comparable.
+    """
+    import optax_decoupled
+
+    specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+    hp = {n: jax.ShapeDtypeStruct((), jnp.float32) for n in hparam_names}
+
+    def init_and_update(p, hparams):
+        tx = make_tx(**hparams)
+        return tx.update(p, tx.init(p), p)
+
+    text = str(jax.make_jaxpr(init_and_update)(specs, hp))
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+    return {
+        "sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "versions": {
+            "jax": jax.__version__,
+            "optax": optax.__version__,
+            "optax_decoupled": optax_decoupled.__version__,
+        },
+    }
+
+
 @functools.lru_cache(maxsize=64)
 def _constant_make_tx(tx: optax.GradientTransformation) -> MakeTx:
     # Cached by the transformation's identity, so repeated runs reuse compiled programs.
@@ -792,7 +830,9 @@ def train_grid(
       checkpoint_dir: where orbax checkpoints go (every ``config.checkpoint_every`` steps, at
         ``stop_at`` and at the end).
       resume: continue from the latest checkpoint in ``checkpoint_dir``; raises
-        ``FileNotFoundError`` if there is none and :class:`CheckpointError` if it is unusable.
+        ``FileNotFoundError`` if there is none and :class:`CheckpointError` if it is unusable
+        or was written by another run (task, model, grid, seeds, steps, or an optimizer that
+        computes something else: :func:`optimizer_fingerprint`, stored with the checkpoint).
         A checkpoint holds the state as trained, including any padding of the grid to a
         multiple of the device count (``TrainConfig.shard_configs``); a grid that needed
         padding resumes on the same number of devices. A resumed run equals an uninterrupted
@@ -878,6 +918,9 @@ def train_grid(
         # same steps with other float rounding (another vmap/lax.map split).
         "layout": {"devices": 1 if mesh is None else int(mesh.size), "config_chunk": chunk},
     }
+    if checkpoint_dir is not None:  # one configuration's optimizer (see the resume check)
+        one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
+        meta["optimizer"] = optimizer_fingerprint(make_tx, one, sorted(hp))
 
     start_step = 0
     if resume:
@@ -889,6 +932,24 @@ def train_grid(
                     f"checkpoint in {checkpoint_dir!r} was written by a different run: {key} "
                     f"is {saved_meta.get(key)!r} there and {meta[key]!r} here."
                 )
+        saved_tx = saved_meta.get("optimizer")  # absent in checkpoints of older versions
+        if saved_tx is not None and saved_tx["versions"] == meta["optimizer"]["versions"]:
+            if saved_tx["sha256"] != meta["optimizer"]["sha256"]:
+                raise CheckpointError(
+                    f"checkpoint in {checkpoint_dir!r} was written by a different run: its "
+                    "optimizer computes something else (make_tx differs beyond the grid's "
+                    "hyperparameters: e.g. a schedule's length, clipping, a fixed weight decay "
+                    "or the state dtype). Resume with the same make_tx, or train afresh in "
+                    "another checkpoint_dir."
+                )
+        elif saved_tx is not None:
+            warnings.warn(
+                f"the checkpoint in {checkpoint_dir!r} was written with other versions "
+                f"({saved_tx['versions']}, here {meta['optimizer']['versions']}): whether its "
+                "optimizer is this run's cannot be checked.",
+                UserWarning,
+                stacklevel=2,
+            )
         if "layout" in saved_meta and saved_meta["layout"] != meta["layout"]:
             warnings.warn(
                 f"resuming from {checkpoint_dir!r} with another layout of the configurations "

@@ -23,7 +23,8 @@ schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=20, decay_
 tx = optax.chain(
     optax.clip_by_global_norm(1.0),
     # decoupled decay theta <- theta - lr_t * 0.1 * theta per step; mask="auto" skips biases
-    # and the norm scale (decay_convention="schedule" would make 0.1 the decay per step itself)
+    # and the norm scale (decay_convention="schedule", peak_learning_rate=3e-3 would decay by
+    # 0.1 * lr_t / 3e-3 per step: 0.1 at the peak)
     od.adamw(schedule, weight_decay=0.1),
 )
 optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)

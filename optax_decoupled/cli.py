@@ -67,7 +67,7 @@ def _load(module: str):
     except ImportError as e:
         raise SystemExit(
             f"optax-decoupled: {module} needs the experiments extra "
-            f"(pip install 'optax-decoupled[experiments]'): {e}"
+            f"(in the checkout: pip install -e '.[experiments]'): {e}"
         ) from e
 
 

@@ -115,6 +115,13 @@ def test_cli_help_lists_every_subcommand_with_its_description():
         assert " ".join(description.split()) in help_text, description
 
 
+@pytest.mark.parametrize("name, module", [(n, m) for n, m, _ in SUBCOMMANDS])
+def test_every_experiment_module_runs_with_python_m(name, module):
+    """``python -m <module> --help`` is the subcommand's help (compare, grid and memory printed
+    nothing: their modules had no __main__ block)."""
+    assert f"usage: optax-decoupled {name}" in run([sys.executable, "-m", module, "--help"])
+
+
 def test_cli_help_does_not_import_experiments():
     code = (
         "import sys; from optax_decoupled import cli; cli.build_parser().format_help();"

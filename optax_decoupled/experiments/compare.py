@@ -495,3 +495,11 @@ def summary_table(doc: dict[str, Any]) -> str:
 
 #: The ``optax-decoupled compare`` subcommand (options and entry point, shared with the report).
 add_arguments, run_cli = report.part_subcommand("compare", summary_table)
+
+
+if __name__ == "__main__":  # python -m optax_decoupled.experiments.compare: optax-decoupled compare
+    import sys
+
+    from optax_decoupled import cli
+
+    sys.exit(cli.main(["compare", *sys.argv[1:]]))

@@ -193,3 +193,11 @@ def summary_table(doc: dict[str, Any]) -> str:
 
 #: The ``optax-decoupled grid`` subcommand (options and entry point, shared with the report).
 add_arguments, run_cli = report.part_subcommand("grid", summary_table)
+
+
+if __name__ == "__main__":  # python -m optax_decoupled.experiments.grid: optax-decoupled grid
+    import sys
+
+    from optax_decoupled import cli
+
+    sys.exit(cli.main(["grid", *sys.argv[1:]]))

@@ -577,3 +577,11 @@ def markdown(doc: dict[str, Any], rel: str = "memory") -> str:
 
 #: The ``optax-decoupled memory`` subcommand (options and entry point, shared with the report).
 add_arguments, run_cli = report.part_subcommand("memory", markdown)
+
+
+if __name__ == "__main__":  # python -m ...experiments.memory_report: optax-decoupled memory
+    import sys
+
+    from optax_decoupled import cli
+
+    sys.exit(cli.main(["memory", *sys.argv[1:]]))

@@ -578,8 +578,12 @@ def optimizer_fingerprint(
     while every fixed setting inside ``make_tx`` (a schedule's length, clipping, a fixed
     weight decay, the state's dtype, the transforms themselves) does, as constants or
     equations. Function addresses, which jaxprs print for custom derivatives, are removed.
-    The text depends on the versions of JAX, Optax and this package, returned with it:
-    fingerprints of other versions are not comparable.
+    Array constants enter by value. The text depends on the versions of JAX, Optax and this
+    package, returned with it (fingerprints of other versions are not comparable), and also
+    on things a version number does not show: the package's code between releases, whether
+    the compiled CPU kernels are available (a step with them traces to other equations, with
+    the same values up to float32 rounding) and ``jax_enable_x64``. A resume therefore warns
+    on a mismatch rather than refusing.
     """
     import optax_decoupled
 
@@ -590,10 +594,13 @@ def optimizer_fingerprint(
         tx = make_tx(**hparams)
         return tx.update(p, tx.init(p), p)
 
-    text = str(jax.make_jaxpr(init_and_update)(specs, hp))
-    text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+    closed = jax.make_jaxpr(init_and_update)(specs, hp)
+    digest = hashlib.sha256(re.sub(r" at 0x[0-9a-fA-F]+", "", str(closed)).encode())
+    for const in closed.consts:  # array constants print as types only: hash their values
+        value = np.asarray(const)
+        digest.update(f"{value.dtype}{value.shape}".encode() + value.tobytes())
     return {
-        "sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "sha256": digest.hexdigest(),
         "versions": {
             "jax": jax.__version__,
             "optax": optax.__version__,
@@ -831,8 +838,9 @@ def train_grid(
         ``stop_at`` and at the end).
       resume: continue from the latest checkpoint in ``checkpoint_dir``; raises
         ``FileNotFoundError`` if there is none and :class:`CheckpointError` if it is unusable
-        or was written by another run (task, model, grid, seeds, steps, or an optimizer that
-        computes something else: :func:`optimizer_fingerprint`, stored with the checkpoint).
+        or was written by another run (task, model, grid, seeds, steps); it warns if the
+        checkpoint's optimizer computes something else (:func:`optimizer_fingerprint`, stored
+        with the checkpoint).
         A checkpoint holds the state as trained, including any padding of the grid to a
         multiple of the device count (``TrainConfig.shard_configs``); a grid that needed
         padding resumes on the same number of devices. A resumed run equals an uninterrupted
@@ -933,16 +941,22 @@ def train_grid(
                     f"is {saved_meta.get(key)!r} there and {meta[key]!r} here."
                 )
         saved_tx = saved_meta.get("optimizer")  # absent in checkpoints of older versions
-        if saved_tx is not None and saved_tx["versions"] == meta["optimizer"]["versions"]:
-            if saved_tx["sha256"] != meta["optimizer"]["sha256"]:
-                raise CheckpointError(
-                    f"checkpoint in {checkpoint_dir!r} was written by a different run: its "
-                    "optimizer computes something else (make_tx differs beyond the grid's "
-                    "hyperparameters: e.g. a schedule's length, clipping, a fixed weight decay "
-                    "or the state dtype). Resume with the same make_tx, or train afresh in "
-                    "another checkpoint_dir."
+        if not isinstance(saved_tx, dict):
+            pass
+        elif saved_tx.get("versions") == meta["optimizer"]["versions"]:
+            if saved_tx.get("sha256") != meta["optimizer"]["sha256"]:
+                warnings.warn(
+                    f"the checkpoint in {checkpoint_dir!r} was written by an optimizer that "
+                    "computes something else than this run's: make_tx differs beyond the "
+                    "grid's hyperparameters (e.g. a schedule's length, clipping, a fixed "
+                    "weight decay or the state dtype), or the package's code, the compiled "
+                    "CPU kernels' availability or jax_enable_x64 changed since. The run "
+                    "continues with this run's optimizer; if that is not what you meant, "
+                    "resume with the same make_tx or train afresh in another checkpoint_dir.",
+                    UserWarning,
+                    stacklevel=2,
                 )
-        elif saved_tx is not None:
+        else:
             warnings.warn(
                 f"the checkpoint in {checkpoint_dir!r} was written with other versions "
                 f"({saved_tx['versions']}, here {meta['optimizer']['versions']}): whether its "

@@ -159,7 +159,6 @@ def narrow(value: jax.Array, dtype: Any) -> jax.Array:
     narrows = (
         jnp.issubdtype(src, jnp.floating)
         and jnp.issubdtype(dtype, jnp.floating)
-        and dtype != src
         and (
             jnp.finfo(dtype).nmant < jnp.finfo(src).nmant
             or jnp.finfo(dtype).maxexp < jnp.finfo(src).maxexp

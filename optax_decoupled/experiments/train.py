@@ -609,6 +609,33 @@ def optimizer_fingerprint(
     }
 
 
+def _warn_if_other_optimizer(saved: Any, current: dict, checkpoint_dir: Any) -> None:
+    """Warns where a checkpoint's :func:`optimizer_fingerprint` differs from this run's, or
+    cannot be compared (other versions). Checkpoints without one (older) pass."""
+    if not isinstance(saved, dict):
+        return
+    if saved.get("versions") != current["versions"]:
+        warnings.warn(
+            f"the checkpoint in {checkpoint_dir!r} was written with other versions "
+            f"({saved.get('versions')}, here {current['versions']}): whether its "
+            "optimizer is this run's cannot be checked.",
+            UserWarning,
+            stacklevel=3,
+        )
+    elif saved.get("sha256") != current["sha256"]:
+        warnings.warn(
+            f"the checkpoint in {checkpoint_dir!r} was written by an optimizer that "
+            "computes something else than this run's: make_tx differs beyond the "
+            "grid's hyperparameters (e.g. a schedule's length, clipping, a fixed "
+            "weight decay or the state dtype), or the package's code, the compiled "
+            "CPU kernels' availability or jax_enable_x64 changed since. The run "
+            "continues with this run's optimizer; if that is not what you meant, "
+            "resume with the same make_tx or train afresh in another checkpoint_dir.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 @functools.lru_cache(maxsize=64)
 def _constant_make_tx(tx: optax.GradientTransformation) -> MakeTx:
     # Cached by the transformation's identity, so repeated runs reuse compiled programs.
@@ -940,30 +967,7 @@ def train_grid(
                     f"checkpoint in {checkpoint_dir!r} was written by a different run: {key} "
                     f"is {saved_meta.get(key)!r} there and {meta[key]!r} here."
                 )
-        saved_tx = saved_meta.get("optimizer")  # absent in checkpoints of older versions
-        if not isinstance(saved_tx, dict):
-            pass
-        elif saved_tx.get("versions") == meta["optimizer"]["versions"]:
-            if saved_tx.get("sha256") != meta["optimizer"]["sha256"]:
-                warnings.warn(
-                    f"the checkpoint in {checkpoint_dir!r} was written by an optimizer that "
-                    "computes something else than this run's: make_tx differs beyond the "
-                    "grid's hyperparameters (e.g. a schedule's length, clipping, a fixed "
-                    "weight decay or the state dtype), or the package's code, the compiled "
-                    "CPU kernels' availability or jax_enable_x64 changed since. The run "
-                    "continues with this run's optimizer; if that is not what you meant, "
-                    "resume with the same make_tx or train afresh in another checkpoint_dir.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-        else:
-            warnings.warn(
-                f"the checkpoint in {checkpoint_dir!r} was written with other versions "
-                f"({saved_tx['versions']}, here {meta['optimizer']['versions']}): whether its "
-                "optimizer is this run's cannot be checked.",
-                UserWarning,
-                stacklevel=2,
-            )
+        _warn_if_other_optimizer(saved_meta.get("optimizer"), meta["optimizer"], checkpoint_dir)
         if "layout" in saved_meta and saved_meta["layout"] != meta["layout"]:
             warnings.warn(
                 f"resuming from {checkpoint_dir!r} with another layout of the configurations "

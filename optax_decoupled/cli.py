@@ -77,9 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     selected = next((a for a in argv if a in names), None)
     parser = build_parser(selected)
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
+    if args.command is None:  # a usage error, as argparse treats one: help on stderr, status 2
+        parser.print_help(sys.stderr)
+        print("\noptax-decoupled: error: choose a COMMAND (e.g. report)", file=sys.stderr)
+        return 2
     try:
         return int(_load(args._module).run_cli(args) or 0)
     except OSError as e:  # e.g. an output directory that cannot be created: say so, briefly

@@ -122,6 +122,17 @@ def test_every_experiment_module_runs_with_python_m(name, module):
     assert f"usage: optax-decoupled {name}" in run([sys.executable, "-m", module, "--help"])
 
 
+def test_cli_without_a_command_is_a_usage_error(capsys):
+    """``optax-decoupled`` alone ran nothing and exited 0, so a script that forgot the
+    subcommand "succeeded"; like argparse's own usage errors it now exits 2, help on stderr."""
+    from optax_decoupled import cli
+
+    assert cli.main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "usage: optax-decoupled" in captured.err and "choose a COMMAND" in captured.err
+
+
 def test_cli_help_does_not_import_experiments():
     code = (
         "import sys; from optax_decoupled import cli; cli.build_parser().format_help();"

@@ -17,7 +17,9 @@ structure (``True`` = decay this leaf). Accepted forms, everywhere a ``mask`` ar
   ``A_log`` or a scan-stacked bias of shape ``(layers, features)`` is still excluded.
 * ``None``: decay every leaf (what ``torch.optim`` does within a parameter group, and what
   ``optax.adamw(mask=None)`` does).
-* a pytree of bools with the parameters' structure (dicts, ``flax.nnx.State``, NamedTuples).
+* a pytree of bools with the parameters' structure (dicts, ``flax.nnx.State``, NamedTuples),
+  or a prefix of it as in Optax: ``{"encoder": True, "head": False}`` decays every leaf
+  under ``encoder`` and none under ``head``.
 * a callable ``params -> pytree of bools``. Inside ``optax.inject_hyperparams`` a plain callable
   is taken for a schedule: pass ``static_args=("mask",)`` there, or use :func:`decay_mask`,
   whose result is not callable.
@@ -173,44 +175,58 @@ def _is_empty_node(x: Any) -> bool:
 def _match_tree(mask_tree: Any, params: Any, argument: str) -> Any:
     """Re-expresses a user mask pytree in the parameters' structure, matching by key path.
 
-    Entries where the parameters have no leaves (``None``, ``optax.MaskedNode``) are
-    ignored, as Optax ignores them."""
+    As in Optax, the mask may be a *prefix* of the parameter tree: an entry whose key path is
+    a parameter's or one of its ancestors' applies to every leaf below it (``{"enc": True,
+    "head": False}`` for ``{"enc": {...}, "head": {...}}``). Entries where the parameters have
+    no leaves (``None``, ``optax.MaskedNode``) are ignored, as Optax ignores them."""
     p_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     m_leaves, m_treedef = jax.tree_util.tree_flatten_with_path(mask_tree)
     if m_treedef.num_nodes == m_treedef.num_leaves == 1 and treedef.num_nodes > 1 and p_leaves:
         raise ValueError(
             f"`{argument}` must be 'auto', None, a decay_mask(...), a pytree of bools with "
-            f"the parameters' structure or a callable returning one; got the single value "
-            f"{m_leaves[0][1]!r}. (Inside optax.inject_hyperparams a plain callable is taken "
-            "for a schedule and called with the step count: pass "
+            f"the parameters' structure (or a prefix of it) or a callable returning one; got "
+            f"the single value {m_leaves[0][1]!r}. (Inside optax.inject_hyperparams a plain "
+            "callable is taken for a schedule and called with the step count: pass "
             "static_args=('mask',) or use decay_mask(...).)"
         )
-    by_path = {}
+    by_path: dict[tuple[str, ...], bool] = {}
     for path, leaf in m_leaves:
-        key = path_string(path)
+        components = path_components(path)
         if not _is_bool_leaf(leaf):
             raise ValueError(
-                f"`{argument}` leaf at '{key}' must be a Python bool, got {leaf!r} "
-                "(masks are static: they choose which leaves are decayed at trace time)."
+                f"`{argument}` leaf at '{'/'.join(components)}' must be a Python bool, got "
+                f"{leaf!r} (masks are static: they choose which leaves are decayed at trace "
+                "time)."
             )
-        by_path[key] = bool(leaf)
-    p_paths = [path_string(p) for p, _ in p_leaves]
-    for key in p_paths:
-        if key not in by_path:
-            raise ValueError(
-                f"`{argument}` does not match the parameters: '{key}' is a parameter but has no "
-                f"entry in the mask (mask paths: {sorted(by_path)[:8]}...)."
-            )
-    empty, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_empty_node)
-    extra = set(by_path) - set(p_paths)
-    extra -= {path_string(p) for p, node in empty if _is_empty_node(node)}
-    if extra:
-        first = next(path_string(p) for p, _ in m_leaves if path_string(p) in extra)
-        raise ValueError(
-            f"`{argument}` does not match the parameters: the mask has an entry at '{first}', "
-            "which is not a parameter."
+        by_path[components] = bool(leaf)
+    flags, used = [], set()
+    for path, _ in p_leaves:
+        components = path_components(path)
+        # The entry at the parameter's own path or its nearest ancestor's (a pytree mask
+        # cannot hold both: a leaf has no children).
+        entry = next(
+            (components[:n] for n in range(len(components), -1, -1) if components[:n] in by_path),
+            None,
         )
-    return jax.tree_util.tree_unflatten(treedef, [by_path[k] for k in p_paths])
+        if entry is None:
+            raise ValueError(
+                f"`{argument}` does not match the parameters: '{'/'.join(components)}' is a "
+                "parameter but has no entry in the mask, neither at its path nor at an "
+                f"ancestor's (mask paths: {sorted('/'.join(k) for k in by_path)[:8]}...)."
+            )
+        used.add(entry)
+        flags.append(by_path[entry])
+    empty, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_empty_node)
+    empty_paths = [path_components(p) for p, node in empty if _is_empty_node(node)]
+    for path, _ in m_leaves:
+        key = path_components(path)
+        if key in used or any(e[: len(key)] == key for e in empty_paths):
+            continue
+        raise ValueError(
+            f"`{argument}` does not match the parameters: the mask has an entry at "
+            f"'{'/'.join(key)}', which is not a parameter or a node of the parameter tree."
+        )
+    return jax.tree_util.tree_unflatten(treedef, flags)
 
 
 def is_params_placeholder(params: Any) -> bool:

@@ -117,6 +117,50 @@ def test_mismatched_mask_names_the_first_missing_path():
         tx.init(params)
 
 
+def test_a_prefix_mask_applies_to_every_leaf_below_its_entries():
+    """Optax's masks may be a prefix of the parameter tree; this package's rejected them
+    ("'enc/bias' is a parameter but has no entry") although the migration guide says
+    ``optax.adamw(..., mask=m)`` carries over."""
+    params = {
+        "enc": {"kernel": jnp.full((2, 3), 2.0), "bias": jnp.full((3,), 3.0)},
+        "head": {"kernel": jnp.full((3, 1), 4.0), "bias": jnp.full((1,), 5.0)},
+    }
+    prefix = {"enc": True, "head": False}
+    want = {"enc": {"kernel": True, "bias": True}, "head": {"kernel": False, "bias": False}}
+    assert od.resolve_mask(prefix, params) == want
+    assert od.resolve_mask(lambda p: prefix, params) == want
+    # Mixed depths: one subtree by prefix, the other leaf by leaf.
+    mixed = {"enc": False, "head": {"kernel": True, "bias": False}}
+    assert od.resolve_mask(mixed, params)["head"] == {"kernel": True, "bias": False}
+    assert od.resolve_mask(mixed, params)["enc"] == {"kernel": False, "bias": False}
+    grads = jax.tree.map(lambda p: jnp.linspace(0.5, 1.5, p.size).reshape(p.shape), params)
+    ours = od.adamw(1e-2, weight_decay=0.5, mask=prefix)
+    ref = optax.adamw(1e-2, weight_decay=0.5, mask=prefix)
+    got, _ = ours.update(grads, ours.init(params), params)
+    expected, _ = ref.update(grads, ref.init(params), params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, expected)
+    # A prefix entry that names no node of the parameters is still an error.
+    with pytest.raises(ValueError, match="entry at 'dec'.*not a parameter or a node"):
+        od.resolve_mask({"enc": True, "head": False, "dec": True}, params)
+    # ... and one below a parameter leaf (the mask is deeper than the parameters).
+    with pytest.raises(ValueError, match="'head/bias' is a parameter but has no entry"):
+        od.resolve_mask({"enc": True, "head": {"kernel": True, "bias": {"x": True}}}, params)
+
+
+def test_a_prefix_mask_over_an_nnx_state():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.enc = nnx.Linear(2, 3, rngs=rngs)
+            self.head = nnx.Linear(3, 1, rngs=rngs)
+
+    state = nnx.state(Block(nnx.Rngs(0)), nnx.Param)
+    resolved = od.resolve_mask({"enc": True, "head": False}, state)
+    flags = {od.masks.path_string(p): v for p, v in jax.tree_util.tree_leaves_with_path(resolved)}
+    assert flags == {"enc/bias": True, "enc/kernel": True, "head/bias": False, "head/kernel": False}
+
+
 def test_mask_entries_over_empty_parameter_nodes_are_ignored():
     """A full-structure mask still fits where the parameters hold None or optax.MaskedNode
     (inside optax.masked and optax.multi_transform), as Optax's masks do."""

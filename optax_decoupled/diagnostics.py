@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from optax_decoupled import masks as masks_lib
 from optax_decoupled import storage as storage_lib
+from optax_decoupled.quantization import QuantizedArray
 from optax_decoupled.transforms import ScaleByAdamState, decay_rate
 
 
@@ -78,19 +79,38 @@ def effective_decay(
         )
     adam = find_adam_state(opt_state)
     store = storage_lib.resolve_storage(state_dtype)
-    count = jnp.maximum(adam.count, 1)
+    # Leaves, not trees: under flax.nnx the parameters are Param variables and the state's
+    # moments OptState variables, which jax.tree.map cannot pair.
+    (count,) = jax.tree.leaves(adam.count)
+    count = jnp.maximum(count, 1)
     bc2 = 1.0 - b2 ** count.astype(jnp.float32)
-    nu_tree = adam.nu if amsgrad is None else adam.nu_max
+    p_leaves, treedef = jax.tree.flatten(params)
+    nu_leaves = jax.tree.leaves(
+        adam.nu if amsgrad is None else adam.nu_max,
+        is_leaf=lambda x: isinstance(x, QuantizedArray),
+    )
+    if len(nu_leaves) != len(p_leaves):
+        raise ValueError(
+            f"effective_decay: the optimizer state's second moment has {len(nu_leaves)} "
+            f"leaves but `params` has {len(p_leaves)}; pass the parameters it was built for."
+        )
 
     def leaf(p, nu_s, m):
         if not m:
             return jnp.zeros(jnp.shape(p), jnp.float32)
-        nu = store.read(nu_s, p).astype(jnp.float32)
+        if isinstance(nu_s, QuantizedArray):  # 8-bit: the state says so, whatever state_dtype
+            nu = storage_lib.BlockwiseInt8Storage().read(nu_s, p)
+        else:
+            nu = store.read(nu_s, p)
+        nu = nu.astype(jnp.float32)
         if amsgrad in (None, "pytorch"):
             nu = nu / bc2
         return learning_rate * weight_decay / (jnp.sqrt(nu + eps_root) + eps)
 
-    return jax.tree.map(leaf, params, nu_tree, decays)
+    flags = jax.tree.leaves(decays)
+    return jax.tree.unflatten(
+        treedef, [leaf(*z) for z in zip(p_leaves, nu_leaves, flags, strict=True)]
+    )
 
 
 def group_of(components: tuple[str, ...], ndim: int) -> str:

@@ -59,6 +59,41 @@ def test_coupled_effective_decay_by_hand(amsgrad, eps_root):
     np.testing.assert_array_equal(eff["dense"]["bias"], 0.0)
 
 
+def test_coupled_effective_decay_of_an_nnx_optimizer():
+    """``nnx.Optimizer``'s state holds OptState variables where the parameters are Param
+    variables; pairing the two trees failed with a pytree structure error."""
+    nnx = pytest.importorskip("flax.nnx")
+    import jax
+
+    model = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, od.adam_l2(1e-2, weight_decay=0.1), wrt=nnx.Param)
+    params = nnx.state(model, nnx.Param)
+    grads = jax.tree.map(lambda p: jnp.linspace(-1.0, 2.0, p.size).reshape(p.shape), params)
+    kernel = np.asarray(params["kernel"].get_value(), np.float64)  # before the step
+    opt.update(model, grads)
+    kwargs = dict(learning_rate=1e-2, weight_decay=0.1, coupled=True)
+    eff = D.effective_decay(opt.opt_state, params, **kwargs)
+    # The same computation on plain arrays, by hand: one step, nu = (1 - b2) g^2 / (1 - b2).
+    g = np.asarray(grads["kernel"].get_value(), np.float64) + 0.1 * kernel
+    np.testing.assert_allclose(
+        eff["kernel"].get_value(), 1e-2 * 0.1 / (np.abs(g) + 1e-8), rtol=1e-5
+    )
+    np.testing.assert_array_equal(eff["bias"].get_value(), 0.0)
+
+
+def test_coupled_effective_decay_reads_8bit_state_without_state_dtype():
+    """An 8-bit state read without ``state_dtype="int8"`` raised AttributeError
+    ('QuantizedArray' object has no attribute 'astype'); the state says it is quantized."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 64 * 128).reshape(64, 128)}
+    tx = od.adam_l2(1e-2, weight_decay=0.1, state_dtype="int8", mask=None)
+    _, state = tx.update(params, tx.init(params), params)
+    kwargs = dict(learning_rate=1e-2, weight_decay=0.1, coupled=True, mask=None)
+    told = D.effective_decay(state, params, state_dtype="int8", **kwargs)
+    np.testing.assert_array_equal(D.effective_decay(state, params, **kwargs)["w"], told["w"])
+    with pytest.raises(ValueError, match="second moment has 1 leaves but `params` has 2"):
+        D.effective_decay(state, {**params, "b": jnp.ones(3)}, **kwargs)
+
+
 def test_group_norms_and_groups():
     params, _ = small()
     norms = D.group_norms(params)

@@ -35,15 +35,20 @@ def state_shardings(
     replicated: jax.sharding.Sharding | None = None,
 ) -> Any:
     """The sharding of every leaf of ``tx.init(params)``: each moment takes its parameter's
-    (a parameter on one device among parameters on a mesh, e.g. an uncommitted bias, gets
-    moments replicated on that mesh, where ``jit`` would put it).
+    (a parameter on one device among parameters on a mesh, e.g. an uncommitted bias, or a
+    NumPy array, gets moments replicated on that mesh, where ``jit`` would put it).
 
     Non-parameter leaves (step counts, injected hyperparameters) get ``replicated``, by
     default a fully replicated :class:`~jax.sharding.NamedSharding` on the mesh of the first
     parameter on a mesh (else the sharding of the first parameter, or the default device
     when there are no parameters).
     """
-    param_shardings = jax.tree.map(lambda p: p.sharding, params)
+    # NumPy arrays and Python scalars (which tx.init accepts) have no sharding: like an
+    # uncommitted jax.Array they go on the default device, or replicated on the mesh.
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    param_shardings = jax.tree.map(
+        lambda p: p.sharding if isinstance(p, jax.Array) else default, params
+    )
     if replicated is None:
         leaves = jax.tree.leaves(param_shardings)
         on_mesh = [s for s in leaves if isinstance(s, jax.sharding.NamedSharding)]
@@ -52,7 +57,7 @@ def state_shardings(
         elif leaves:
             replicated = leaves[0]
         else:
-            replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            replicated = default
     if isinstance(replicated, jax.sharding.NamedSharding):
         param_shardings = jax.tree.map(
             lambda s: replicated if isinstance(s, jax.sharding.SingleDeviceSharding) else s,

@@ -71,25 +71,31 @@ def main(state_dtypes):
 
 
 def check_mixed_devices(mesh):
-    """An uncommitted one-device parameter (first in tree order) next to mesh-sharded ones:
+    """An uncommitted one-device or NumPy parameter (first in tree order) next to mesh-sharded ones:
     its moments and the step counts go on the mesh, replicated (where jit puts it), and
     jit_init works; no parameters at all: the default device."""
     problems = []
-    params = {
-        "a_bias": jnp.ones((5,)),
-        "w": jax.device_put(jnp.ones((64, 256)), NamedSharding(mesh, P("fsdp"))),
-    }
-    for sd in (None, "int8"):
-        tx = od.adamw(1e-3, state_dtype=sd)
-        state = sharding.jit_init(tx, params)
-        count, mu = state[0].count, state[0].mu
-        if not count.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0):
-            problems.append(f"{sd}: count has {count.sharding}")
-        if not mu["a_bias"].sharding.is_equivalent_to(NamedSharding(mesh, P()), 1):
-            problems.append(f"{sd}: mu of a_bias has {mu['a_bias'].sharding}")
+    # A NumPy parameter (tx.init takes one; it has no .sharding) is placed as uncommitted.
+    for kind, bias in (("jax", jnp.ones((5,))), ("numpy", np.ones((5,), np.float32))):
+        params = {
+            "a_bias": bias,
+            "w": jax.device_put(jnp.ones((64, 256)), NamedSharding(mesh, P("fsdp"))),
+        }
+        for sd in (None, "int8"):
+            tx = od.adamw(1e-3, state_dtype=sd)
+            state = sharding.jit_init(tx, params)
+            count, mu = state[0].count, state[0].mu
+            if not count.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0):
+                problems.append(f"{kind} {sd}: count has {count.sharding}")
+            if not mu["a_bias"].sharding.is_equivalent_to(NamedSharding(mesh, P()), 1):
+                problems.append(f"{kind} {sd}: mu of a_bias has {mu['a_bias'].sharding}")
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     empty = sharding.state_shardings(od.adamw(1e-3), {})
-    if empty[0].count != jax.sharding.SingleDeviceSharding(jax.devices()[0]):
+    if empty[0].count != default:
         problems.append(f"no parameters: count has {empty[0].count}")
+    only_numpy = sharding.state_shardings(od.adamw(1e-3), {"w": np.ones((4, 4), np.float32)})
+    if only_numpy[0].mu["w"] != default:
+        problems.append(f"NumPy parameters only: mu has {only_numpy[0].mu['w']}")
     return problems
 
 

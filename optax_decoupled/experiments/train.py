@@ -738,11 +738,17 @@ def _programs(
 
     if mesh is not None:
         P = jax.sharding.PartitionSpec
+        # The configurations are independent (no collectives), so JAX's varying-manual-axes
+        # checks have nothing to verify here; with them on, jax 0.10's batching of a
+        # vmapped lax.cond (optax.apply_if_finite, skip_nonfinite) re-applies a pvary to
+        # an operand that is already varying and raises "pvary is a invariant->variant
+        # collective" when a branch gathers from a constant table (the 8-bit moments' map).
         local_steps = jax.shard_map(
             local_steps,
             mesh=mesh,
             in_specs=(P(CONFIG_AXIS),) * 5 + (P(),),
             out_specs=P(CONFIG_AXIS),
+            check_vma=False,
         )
 
     def step_fn(state: TrainState, hparams):

@@ -24,6 +24,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+import optax_decoupled as od  # noqa: E402
+from optax_decoupled import storage  # noqa: E402
 from optax_decoupled.experiments import ssm, tasks  # noqa: E402
 from optax_decoupled.experiments import train as train_lib  # noqa: E402
 
@@ -84,6 +86,34 @@ out["padded"] = {
     "param_diff": max_diff(padded.params, alone.params),
     "loss_diff": max_diff([r.train_loss for r in padded.runs], [r.train_loss for r in alone.runs]),
 }
+# 8-bit moments under apply_if_finite (skip_nonfinite), K split over the devices: the vmapped
+# lax.cond around the 8-bit table lookups raised JAX's "pvary is a invariant->variant
+# collective" inside shard_map with its vma checks on.
+int8_tx = train_lib.scheduled(
+    od.adamw,
+    total_steps=STEPS,
+    warmup_steps=2,
+    # XLA's program on both (the CPU kernel never runs inside shard_map).
+    state_dtype=storage.BlockwiseInt8Storage(block_size=64, min_size=0, cpu_kernel=False),
+)
+skip = dataclasses.replace(base, skip_nonfinite=True, config_chunk=None)
+int8_lr = {"learning_rate": hparams["learning_rate"]}
+int8_runs = {}
+for name, config in (
+    ("sharded", skip),
+    ("one device", dataclasses.replace(skip, shard_configs=False)),
+):
+    try:
+        int8_runs[name] = train_lib.train_grid(task, model, int8_tx, int8_lr, seeds, config)
+    except Exception as e:  # reported, not raised: the other checks still print
+        int8_runs[name] = f"{type(e).__name__}: {str(e)[:300]}"
+if all(not isinstance(r, str) for r in int8_runs.values()):
+    out["int8_skip"] = {
+        "param_devices": len(jax.tree.leaves(int8_runs["sharded"].params)[0].sharding.device_set),
+        "param_diff": max_diff(int8_runs["sharded"].params, int8_runs["one device"].params),
+    }
+else:
+    out["int8_skip"] = {k: v for k, v in int8_runs.items() if isinstance(v, str)}
 with tempfile.TemporaryDirectory() as tmp:
     full = results["sharded, chunk auto"]  # run(base), uninterrupted
     run(base, checkpoint_dir=tmp, stop_at=3)

@@ -468,6 +468,7 @@ def requantize(
     def result(new):
         return (new, tuple(stored)) if return_old else new
 
+    fn, operands = _coefficients_as_operands(fn, tuple(operands), tuple(shape))
     size = int(np.prod(shape, dtype=np.int64))
     block_size = stored[0].block_size
     if any(q.codes.shape[-2:] != stored[0].codes.shape[-2:] for q in stored):
@@ -527,6 +528,32 @@ def requantize(
             default=functools.partial(whole_with, fn),
         )
     )
+
+
+def _coefficients_as_operands(fn, operands, shape):
+    """``(fn, operands)`` with ``fn``'s array coefficients that are not scalars (per-element
+    betas, e.g. ``b2`` of shape ``(512,)`` or of the parameter's shape) passed as operands
+    of ``shape`` instead, so that every path slices them with the gradient: the loop over
+    chunks hands ``fn`` blocks of ``(chunk, B)``, against which such a coefficient would not
+    broadcast. Costs one float32 array of ``shape`` per such coefficient; scalar and Python
+    coefficients stay in ``fn`` (and the compiled kernel, which takes only scalars, applies
+    as before)."""
+    split = getattr(fn, "split_dynamic", None)
+    if split is None:
+        return fn, operands
+    arrays, rebuild = split()
+    lifted = [i for i, a in enumerate(arrays) if jnp.ndim(a) > 0]
+    if not lifted:
+        return fn, operands
+    extra = tuple(jnp.broadcast_to(arrays[i], shape) for i in lifted)
+
+    def with_coefficients(*args):
+        values = list(arrays)
+        for i, a in zip(lifted, args[len(args) - len(extra) :], strict=True):
+            values[i] = a
+        return rebuild(values)(*args[: len(args) - len(extra)])
+
+    return with_coefficients, (*operands, *extra)
 
 
 def _kernel_applies(fn, stored, operands, dtype) -> bool:

@@ -545,6 +545,11 @@ def resolve_storage(state_dtype: StateDtype, *, argument: str = "state_dtype") -
         return ParamDtypeStorage()
     if isinstance(state_dtype, str) and state_dtype in _INT8_NAMES:
         return BlockwiseInt8Storage()
+    if isinstance(state_dtype, type) and _is_storage(state_dtype):
+        raise ValueError(
+            f"`{argument}` got the class {state_dtype.__name__}, not a storage object: "
+            f"write {state_dtype.__name__}() (or e.g. {state_dtype.__name__}(block_size=2048))."
+        )
     if _is_storage(state_dtype):
         return state_dtype
     name = _as_float_name(state_dtype)

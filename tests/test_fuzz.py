@@ -97,6 +97,10 @@ CASES: dict[str, Case] = {
         "an unknown `state_dtype` (e.g. `jnp.int32`, `'int4'`)",
         lambda: od.adamw(1e-3, state_dtype="int4"),
     ),
+    "storage-class": Case(
+        "a storage class instead of a storage object (`state_dtype=od.BlockwiseInt8Storage`)",
+        lambda: od.adamw(1e-3, state_dtype=od.BlockwiseInt8Storage),
+    ),
     "int8-block-size": Case(
         "8-bit storage with `block_size` < 1",
         lambda: storage.BlockwiseInt8Storage(block_size=0),
@@ -215,8 +219,10 @@ CASES: dict[str, Case] = {
         ),
     ),
     "grads-shape-8bit": Case(
-        "a gradient leaf of another size than its 8-bit moment's, `update` without `params` "
-        "(with `params`, any other shape is named as above)",
+        "a gradient leaf that fills another number of blocks than its 8-bit moment, `update` "
+        "without `params` (8-bit moments keep no shape: a size that fills the same blocks, "
+        "e.g. 400 for 300 with blocks of 256, passes; with `params`, as the aliases call it, "
+        "any other shape is named as above)",
         lambda: _update(
             od.scale_by_adam(state_dtype=storage.BlockwiseInt8Storage(block_size=4, min_size=0)),
             {"w": jnp.ones((3, 3)), "b": jnp.ones(3)},
@@ -241,6 +247,7 @@ DOCUMENTED = [
     r"^`coupled` must be a bool, got ",
     r"^`decay_convention`/`peak_learning_rate` apply to decoupled decay only",
     r"^`state_dtype` must be None \(the parameter dtype\)",
+    r"^`state_dtype` got the class \w+, not a storage object",
     r"^`block_size` must be a positive int",
     r"^`min_size` must be a non-negative int",
     r"^`cpu_kernel` must be True or False",

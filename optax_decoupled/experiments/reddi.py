@@ -339,20 +339,24 @@ def make_optimizer(
 
 
 def log_steps(steps: int, num: int = 200, multiple: int = 1) -> np.ndarray:
-    r"""About ``num`` log-spaced steps in ``[1, steps]``, always ending with ``steps``.
+    r"""About ``num`` log-spaced steps in ``[1, steps]``, ending with ``steps``.
 
     With ``multiple=period`` the steps after the first period are rounded to whole periods, so
     an online run's plotted :math:`x` is the iterate at the start of a period and :math:`R_t/t`
-    shows no in-period ripple.
+    shows no in-period ripple; they then end with the last whole period in ``[1, steps]``
+    (:math:`10^6` is not a multiple of 3: a record at :math:`T` itself would sit at another
+    phase of the period, and a run that oscillates within each period would seem to settle
+    on that one record). The final iterate :math:`x_T` is kept apart from the records.
     """
     if steps < 1:
         raise ValueError(f"`steps` must be >= 1, got {steps}.")
-    t = np.geomspace(1, steps, num)
+    last = steps if multiple <= 1 or steps < multiple else steps - steps % multiple
+    t = np.geomspace(1, last, num)
     if multiple > 1:
         t = np.where(t < multiple, t, np.round(t / multiple) * multiple)
-    t = np.unique(np.clip(np.round(t), 1, steps).astype(np.int64))
-    if t[-1] != steps:
-        t = np.append(t, steps)
+    t = np.unique(np.clip(np.round(t), 1, last).astype(np.int64))
+    if t[-1] != last:
+        t = np.append(t, last)
     return t.astype(np.int32)
 
 

@@ -180,6 +180,20 @@ def test_resume_errors(task, model_config, grid, tmp_path):
     other = {**HPARAMS, "weight_decay": [0.5, 0.5, 0.5]}
     with pytest.raises(train_lib.CheckpointError, match="different run"):
         run(root / "ckpt", hp=other)
+    # The same task name with other data (a resume compared only the name), and another
+    # evaluation schedule (the recorded evals and the metrics file would mix two).
+    same_name = tasks.induction_heads(seq_len=16, vocab_size=8, batch_size=16, num_eval=32)
+    assert same_name.name == task.name
+    with pytest.raises(train_lib.CheckpointError, match="task_data is .*splits_sha256"):
+        train_lib.train_grid(
+            same_name, model_config, MAKE_TX, HPARAMS, SEEDS, LOOP,
+            checkpoint_dir=root / "ckpt", resume=True,
+        )  # fmt: skip
+    with pytest.raises(train_lib.CheckpointError, match="evaluation is .*'eval_every': 4"):
+        train_lib.train_grid(
+            task, model_config, MAKE_TX, HPARAMS, SEEDS, dataclasses.replace(LOOP, eval_every=2),
+            checkpoint_dir=root / "ckpt", resume=True,
+        )  # fmt: skip
     # Another optimizer with the same state structure and grid: a fixed setting inside
     # make_tx (the clipping threshold here) is told apart by the optimizer's fingerprint, and
     # said (a warning: the fingerprint also changes with the package's code or kernels).

@@ -566,6 +566,31 @@ def restore_checkpoint(
 # ---------------------------------------------------------------------------------------------
 
 
+def task_fingerprint(task: tasks_lib.Task) -> dict[str, Any]:
+    """What a resume compares of ``task`` besides its name: its shapes, batch size and
+    description (``info``), and a sha256 of its evaluation splits' arrays, which are drawn
+    by the same generator as the training batches, so another sequence length, token count,
+    ``split_seed`` or ``num_eval`` changes them. (The training sampler is a function; it is
+    compared through these.)"""
+    digest = hashlib.sha256()
+    for split in sorted(task.splits):
+        for key in sorted(task.splits[split]):
+            array = np.ascontiguousarray(task.splits[split][key])
+            digest.update(f"{split}/{key}:{array.dtype.str}:{array.shape};".encode())
+            digest.update(array.tobytes())
+    return {
+        "name": task.name,
+        "seq_len": task.seq_len,
+        "num_classes": task.num_classes,
+        "head": task.head,
+        "vocab_size": task.vocab_size,
+        "input_dim": task.input_dim,
+        "batch_size": task.batch_size,
+        "info": json.loads(json.dumps(task.info, sort_keys=True, default=str)),
+        "splits_sha256": digest.hexdigest(),
+    }
+
+
 def optimizer_fingerprint(
     make_tx: MakeTx, params: PyTree, hparam_names: Sequence[str] = ()
 ) -> dict[str, Any]:
@@ -871,7 +896,8 @@ def train_grid(
         ``stop_at`` and at the end).
       resume: continue from the latest checkpoint in ``checkpoint_dir``; raises
         ``FileNotFoundError`` if there is none and :class:`CheckpointError` if it is unusable
-        or was written by another run (task, model, grid, seeds, steps); it warns if the
+        or was written by another run (task and its data, model, grid, seeds, steps,
+        ``eval_every``/``eval_splits``: :func:`task_fingerprint`); it warns if the
         checkpoint's optimizer computes something else (:func:`optimizer_fingerprint`, stored
         with the checkpoint).
         A checkpoint holds the state as trained, including any padding of the grid to a
@@ -955,6 +981,9 @@ def train_grid(
         "batch_size": task.batch_size,
         "seeds": seeds_arr.tolist(),
         "hparams": {n: v.tolist() for n, v in hp.items()},
+        "task_data": task_fingerprint(task),
+        # The evaluation schedule: the evals recorded so far and the metrics file follow it.
+        "evaluation": {"eval_every": config.eval_every, "eval_splits": list(config.eval_splits)},
         # How the K configurations were laid out: a resume with another layout computes the
         # same steps with other float rounding (another vmap/lax.map split).
         "layout": {"devices": 1 if mesh is None else int(mesh.size), "config_chunk": chunk},
@@ -967,11 +996,18 @@ def train_grid(
     if resume:
         target = {"state": state, "history": history}
         restored, saved_meta, start_step = restore_checkpoint(checkpoint_dir, target)
-        for key in ("task", "model_config", "seeds", "hparams", "steps", "batch_size"):
-            if json.loads(json.dumps(meta[key])) != saved_meta.get(key):
+        run_keys = ("task", "model_config", "seeds", "hparams", "steps", "batch_size")
+        # (task_data and evaluation since 2026-12-01: older checkpoints are not checked on them)
+        for key in (*run_keys, *(k for k in ("task_data", "evaluation") if k in saved_meta)):
+            here, there = json.loads(json.dumps(meta[key])), saved_meta.get(key)
+            if here != there:
+                if isinstance(here, dict) and isinstance(there, dict):  # name what differs
+                    names = sorted(n for n in {*here, *there} if here.get(n) != there.get(n))
+                    here = {n: here.get(n) for n in names}
+                    there = {n: there.get(n) for n in names}
                 raise CheckpointError(
                     f"checkpoint in {checkpoint_dir!r} was written by a different run: {key} "
-                    f"is {saved_meta.get(key)!r} there and {meta[key]!r} here."
+                    f"is {there!r} there and {here!r} here."
                 )
         _warn_if_other_optimizer(saved_meta.get("optimizer"), meta["optimizer"], checkpoint_dir)
         if "layout" in saved_meta and saved_meta["layout"] != meta["layout"]:

@@ -213,6 +213,44 @@ def test_a_finished_run_at_another_scale_is_not_replaced_silently(tmp_path, caps
     assert "optax-decoupled reddi: error:" in capsys.readouterr().err
 
 
+def test_output_conflicts_are_found_before_any_part_runs(tmp_path, monkeypatch, capsys):
+    """``report --parts reddi grid`` ran reddi (minutes of compare at quick scale) before it
+    found grid's conflict; a marker of another part was not noticed (``grid --out
+    results/compare`` would replace compare's results) and a corrupt one was a traceback."""
+    calls = []
+
+    def runner(scale, directory, progress, **options):
+        calls.append(directory.name)
+        return {"value": directory.name}
+
+    fake = {p: (runner, lambda doc, p: f"## part {p}\n") for p in report.PARTS}
+    monkeypatch.setattr(report, "RUNNERS", fake)
+
+    def finished(name, marker):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text("{}")
+        (tmp_path / name / "complete.json").write_text(marker)
+
+    finished("grid", json.dumps({"part": "grid", "scale": "quick", "wall_time_s": 1.0}))
+    with pytest.raises(report.OutputConflict, match="finished 'quick' run of 'grid'"):
+        report.run_report(tmp_path, scale="smoke", parts=("reddi", "grid"), progress=False)
+    assert calls == [] and not (tmp_path / "reddi").exists()
+    # A directory holding another part's finished run, at the same scale.
+    finished("compare", json.dumps({"part": "grid", "scale": "smoke", "wall_time_s": 1.0}))
+    with pytest.raises(report.OutputConflict, match="finished run of 'grid', not of 'compare'"):
+        report.run_part("compare", "smoke", tmp_path / "compare", progress=False)
+    # A corrupt marker: a one-line error from the CLI, not a JSONDecodeError traceback.
+    finished("memory", "{not json")
+    from optax_decoupled import cli
+
+    argv = ["report", "--scale", "smoke", "--parts", "memory", "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    assert "cannot be read as a completion marker" in capsys.readouterr().err
+    assert calls == []
+    report.run_part("memory", "smoke", tmp_path / "memory", force=True, progress=False)
+    assert calls == ["memory"]
+
+
 def test_report_includes_the_parts_finished_earlier(tmp_path, monkeypatch):
     """``report.md`` has a section for every part finished at the scale in the directory, in
     the usual order, those of earlier invocations marked in the wall-time table; a part

@@ -205,15 +205,9 @@ def run_part(
     ``(results, wall time in seconds, skipped)``. ``config_chunk`` goes to the parts that
     train grids (:data:`GRID_PARTS`)."""
     directory = pathlib.Path(directory)
+    done = check_output(part, scale, directory, force=force)
     directory.mkdir(parents=True, exist_ok=True)
     marker, results = directory / "complete.json", directory / "results.json"
-    done = None if force else _finished(directory)
-    if done is not None and done.get("scale") != scale:
-        raise OutputConflict(
-            f"{directory} holds a finished {done.get('scale')!r} run of {part!r}; pass --force "
-            f"(force=True) to replace it with a {scale!r} run, or choose another output "
-            "directory."
-        )
     if done is not None and not rerun:
         return json.loads(results.read_text()), float(done["wall_time_s"]), True
     marker.unlink(missing_ok=True)
@@ -229,13 +223,47 @@ def run_part(
     return json.loads(results.read_text()), wall, False
 
 
-def _finished(directory: pathlib.Path) -> dict[str, Any] | None:
-    """The completion marker of the part run in ``directory`` (with its ``scale`` and
-    ``wall_time_s``), or ``None`` if no finished run is there."""
+def check_output(
+    part: str, scale: str, directory: pathlib.Path, *, force: bool = False
+) -> dict[str, Any] | None:
+    """The completion marker of a finished run of ``part`` at ``scale`` in ``directory``, or
+    ``None`` if there is none (or ``force``). Raises :class:`OutputConflict` if the directory
+    holds a finished run at another scale, of another part, or an unreadable marker: what
+    :func:`run_part` would otherwise overwrite or fail on after running."""
+    if force:
+        return None
+    done = _finished(directory, part)
+    if done is not None and done.get("scale") != scale:
+        raise OutputConflict(
+            f"{directory} holds a finished {done.get('scale')!r} run of {part!r}; pass --force "
+            f"(force=True) to replace it with a {scale!r} run, or choose another output "
+            "directory."
+        )
+    return done
+
+
+def _finished(directory: pathlib.Path, part: str) -> dict[str, Any] | None:
+    """The completion marker of the run of ``part`` in ``directory`` (with its ``scale`` and
+    ``wall_time_s``), or ``None`` if no finished run is there. Raises
+    :class:`OutputConflict` for a marker that cannot be read or names another part."""
     marker, results = directory / "complete.json", directory / "results.json"
-    if marker.exists() and results.exists():
-        return json.loads(marker.read_text())
-    return None
+    if not (marker.exists() and results.exists()):
+        return None
+    try:
+        done = json.loads(marker.read_text())
+        if not isinstance(done, dict) or not isinstance(done.get("wall_time_s"), int | float):
+            raise ValueError("no wall_time_s")
+    except (OSError, ValueError) as e:
+        raise OutputConflict(
+            f"{marker} cannot be read as a completion marker ({e}); delete {directory} or "
+            "pass --force (force=True) to run the part there again."
+        ) from e
+    if done.get("part", part) != part:  # (a marker that names no part is taken as this one)
+        raise OutputConflict(
+            f"{directory} holds a finished run of {done['part']!r}, not of {part!r}; choose "
+            "another output directory, or pass --force (force=True) to replace it."
+        )
+    return done
 
 
 def run_report(
@@ -262,6 +290,8 @@ def run_report(
         raise ValueError(f"unknown parts {unknown}; choose from {list(RUNNERS)}.")
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for part in parts:  # every conflict before any part runs (not after the earlier ones)
+        check_output(part, scale, out / part, force=force)
     xla_setup.configure_cpu()  # before any JAX work: fast loops, a CPU device per core
     from optax_decoupled import cpu_kernel
 
@@ -276,10 +306,10 @@ def run_report(
         log(f"[report] {part}: {'already done, skipped' if skipped else f'{wall:.1f} s'}")
     rendered = {p: RUNNERS[p][1](docs[p], p) for p in docs}
     for part in PARTS:  # parts not asked for that an earlier invocation finished here
-        done = None if part in docs else _finished(out / part)
-        if done is None or done.get("scale") != scale:
-            continue
         try:
+            done = None if part in docs else _finished(out / part, part)
+            if done is None or done.get("scale") != scale:
+                continue
             doc = json.loads((out / part / "results.json").read_text())
             rendered[part] = RUNNERS[part][1](doc, part)
             walls[part] = (float(done["wall_time_s"]), True)

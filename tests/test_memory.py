@@ -129,6 +129,20 @@ def test_sgd_momentum_matches_optax_and_quantizes():
     assert memory.state_bytes(state, params).per_param == pytest.approx(1 + 4 / 256)
 
 
+def test_the_l2_vs_adamw_sentence_follows_the_measurements():
+    """The report said "what changes between them is values, not sizes" whatever the rows
+    held; the sentence is now computed from them."""
+    row = {"state_bytes": 1000, "peak": 5000}
+    same = [
+        {"optimizer": o, "batch_size": b, **row} for b in (4, 512) for o in ("adam_l2", "adamw")
+    ]
+    assert "values, not sizes" in R.l2_vs_adamw_finding(same)
+    other = [dict(r) for r in same]
+    other[2]["peak"] = 6000  # adam_l2 at batch 512
+    sentence = R.l2_vs_adamw_finding(other)
+    assert "values, not sizes" not in sentence and "batch 512: peak 6,000 vs 5,000" in sentence
+
+
 def test_bytes_per_param_table_matches_theory_on_large_tensors():
     models = {"big": R.abstract({"w": (512, 512)}), "small": R.abstract({"b": (100,)})}
     rows = R.bytes_per_param_table(models)

@@ -1108,10 +1108,11 @@ def train_grid(
             if metrics_path is not None:
                 write_jsonl(metrics_path, records)
             acc = results.get(f"{config.eval_splits[0]}_accuracy") if config.eval_splits else None
-            if acc is not None:
-                bar.set_postfix(
-                    loss=f"{np.nanmean(history['loss'][:, s]):.4f}", acc=f"{np.max(acc):.4f}"
-                )
+            if acc is not None and config.progress:
+                losses = history["loss"][:, s]
+                # (every configuration's step skipped: NaN, without nanmean's warning)
+                loss = np.mean(losses[np.isfinite(losses)]) if np.isfinite(losses).any() else np.nan
+                bar.set_postfix(loss=f"{loss:.4f}", acc=f"{np.max(acc):.4f}")
             eval_time += time.perf_counter() - t_eval
         if checkpoint_dir is not None and (
             (config.checkpoint_every and done % config.checkpoint_every == 0) or done == end

@@ -225,15 +225,31 @@ def test_phase_diagram_and_eps_sweep_shapes_and_values():
 # ---------------------------------------------------------------------------------------------
 
 
+def test_settling_is_judged_at_whole_periods_of_an_online_problem():
+    """The last record of an online run is T itself, at another phase of the period when T
+    is not a multiple of it; Theorem 1's constant-step SGD, at -0.948 at the start of every
+    period and at -1 one step later, was reported "within 0.05 of -1 from t = T" on that one
+    record. The JSON's curves and the settling step now use the records at whole periods."""
+    problem = reddi.theorem1_problem()
+    runs = reddi.comparison_runs(problem, optimizers=("sgd",), schedules=("constant",))
+    steps = 30_001  # not a multiple of the period, 3
+    res = reddi.simulate(problem, runs, steps)
+    assert res.record_t[-1] == steps and abs(res.x_final[0] - (-1.0)) <= 0.05
+    aligned = reddi.phase_aligned(res.record_t, problem)
+    assert not aligned[-1] and np.all(res.record_t[aligned][res.record_t[aligned] >= 3] % 3 == 0)
+    assert np.all(np.abs(res.x[0][aligned][-20:] - (-1.0)) > 0.05)  # oscillating, period-wise
+    doc = reddi._comparison_json(res)
+    assert doc["runs"][0]["settled_at_minus1"] is None
+    assert doc["runs"][0]["ends_at"] == "-1"  # x_T itself is unchanged
+    assert doc["record_t"] == res.record_t[aligned].tolist() and len(doc["x"][0]) == aligned.sum()
+    # A stochastic problem keeps every record.
+    assert reddi.phase_aligned(np.arange(1, 10), reddi.figure1_stochastic_problem()).all()
+
+
 def test_log_steps():
     t = reddi.log_steps(1_000_000, multiple=3)
-    # Every record after the first period is at a whole period, the last one too (it was
-    # 10^6, at another phase: SGD's constant-step run, which is at -0.948 at every period's
-    # start, was reported "within 0.05 of -1 from t = 1000000" on that one record).
-    assert t[0] == 1 and t[-1] == 999_999 and np.all(np.diff(t) > 0)
-    assert np.all(t[t >= 3] % 3 == 0)
-    assert reddi.log_steps(999_999, multiple=3)[-1] == 999_999
-    np.testing.assert_array_equal(reddi.log_steps(2, multiple=3), [1, 2])
+    assert t[0] == 1 and t[-1] == 1_000_000 and np.all(np.diff(t) > 0)
+    assert np.all(t[t >= 3][:-1] % 3 == 0)
     assert 100 < len(t) <= 201
     np.testing.assert_array_equal(reddi.log_steps(1), [1])
     np.testing.assert_array_equal(reddi.log_steps(5, num=50), [1, 2, 3, 4, 5])

@@ -339,24 +339,20 @@ def make_optimizer(
 
 
 def log_steps(steps: int, num: int = 200, multiple: int = 1) -> np.ndarray:
-    r"""About ``num`` log-spaced steps in ``[1, steps]``, ending with ``steps``.
+    r"""About ``num`` log-spaced steps in ``[1, steps]``, always ending with ``steps``.
 
     With ``multiple=period`` the steps after the first period are rounded to whole periods, so
     an online run's plotted :math:`x` is the iterate at the start of a period and :math:`R_t/t`
-    shows no in-period ripple; they then end with the last whole period in ``[1, steps]``
-    (:math:`10^6` is not a multiple of 3: a record at :math:`T` itself would sit at another
-    phase of the period, and a run that oscillates within each period would seem to settle
-    on that one record). The final iterate :math:`x_T` is kept apart from the records.
+    shows no in-period ripple.
     """
     if steps < 1:
         raise ValueError(f"`steps` must be >= 1, got {steps}.")
-    last = steps if multiple <= 1 or steps < multiple else steps - steps % multiple
-    t = np.geomspace(1, last, num)
+    t = np.geomspace(1, steps, num)
     if multiple > 1:
         t = np.where(t < multiple, t, np.round(t / multiple) * multiple)
-    t = np.unique(np.clip(np.round(t), 1, last).astype(np.int64))
-    if t[-1] != last:
-        t = np.append(t, last)
+    t = np.unique(np.clip(np.round(t), 1, steps).astype(np.int64))
+    if t[-1] != steps:
+        t = np.append(t, steps)
     return t.astype(np.int32)
 
 
@@ -614,6 +610,20 @@ def settle_step(
         return None
     outside = np.flatnonzero(~inside)
     return int(record_t[0] if outside.size == 0 else record_t[outside[-1] + 1])
+
+
+def phase_aligned(record_t: np.ndarray, problem: Problem) -> np.ndarray:
+    """Which records to show and judge convergence on: for an online problem the steps
+    before its first period and those at whole periods (the iterate at a period's start),
+    which :func:`log_steps` aligns all but the last one to. The last is :math:`T` itself,
+    which need not be a multiple of the period (:math:`10^6` is one of neither 3 nor 101):
+    a run oscillating within each period would seem to settle on that one record (Theorem
+    1's constant-step SGD, at -0.948 at every period's start, is at -1.000 at :math:`T`).
+    :math:`x_T` is reported apart (``x_final``). Every record for a stochastic problem."""
+    t = np.asarray(record_t)
+    if problem.kind != "online" or problem.period <= 1:
+        return np.ones(t.shape, bool)
+    return (t < problem.period) | (t % problem.period == 0)
 
 
 def classify(x_final: float, tol: float = 0.1) -> str:
@@ -891,6 +901,8 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _comparison_json(res: SimResult) -> dict[str, Any]:
+    aligned = phase_aligned(res.record_t, res.problem)
+    record_t = res.record_t[aligned]
     runs = []
     for i, r in enumerate(res.runs):
         item = dataclasses.asdict(r)
@@ -900,8 +912,8 @@ def _comparison_json(res: SimResult) -> dict[str, Any]:
             x_tail_mean=_f(res.x_tail_mean[i]),
             avg_regret=_f(res.avg_regret_final[i]),
             ends_at=classify(res.x_final[i]),
-            settled_at_minus1=settle_step(res.record_t, res.x[i], X_STAR),
-            settled_at_plus1=settle_step(res.record_t, res.x[i], UPPER),
+            settled_at_minus1=settle_step(record_t, res.x[i][aligned], X_STAR),
+            settled_at_plus1=settle_step(record_t, res.x[i][aligned], UPPER),
         )
         if res.problem.kind == "stochastic":
             item["expected_gap"] = _f(res.expected_gap[i])
@@ -912,9 +924,9 @@ def _comparison_json(res: SimResult) -> dict[str, Any]:
         "compile_s": round(res.compile_s, 3),
         "run_s": round(res.run_s, 3),
         "runs": runs,
-        "record_t": res.record_t.tolist(),
-        "x": _f(res.x, 6),
-        "avg_regret_t": _f(res.avg_regret, 6),
+        "record_t": record_t.tolist(),
+        "x": _f(res.x[:, aligned], 6),
+        "avg_regret_t": _f(res.avg_regret[:, aligned], 6),
     }
 
 
@@ -943,7 +955,8 @@ def run_experiment(
       ``settled_at_minus1`` / ``settled_at_plus1`` (the first recorded step after which x stays
       within 0.05 of the point, or null) and, for stochastic problems, ``expected_gap``;
       ``record_t`` and, per run (same order), ``x`` (:math:`x_{t+1}`) and ``avg_regret_t``
-      (:math:`R_t/t`) at those steps.
+      (:math:`R_t/t`) at those steps (for an online problem the records at whole periods,
+      :func:`phase_aligned`).
     * ``phase_diagrams[problem]``: Adam's ``x_final``, ``x_tail_mean`` and ``avg_regret``
       (``[len(b1)][len(b2)]``) over the lists ``b1``, ``b2``; ``b2_scale``, ``steps``,
       ``alpha``, ``eps``, ``compile_s``, ``run_s``.

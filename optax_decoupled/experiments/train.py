@@ -566,6 +566,18 @@ def restore_checkpoint(
 # ---------------------------------------------------------------------------------------------
 
 
+def _hash_array(digest: Any, array: Any, label: str = "") -> None:
+    """Adds ``label``, ``array``'s dtype and shape, and its bytes to a hashlib ``digest``."""
+    value = np.asarray(array)  # (tobytes is in C order whatever the layout)
+    digest.update(f"{label}{value.dtype}{value.shape}".encode() + value.tobytes())
+
+
+def _finite_mean(values: np.ndarray) -> float:
+    """The mean of the finite entries of ``values``; NaN (without NumPy's warning) if none."""
+    finite = values[np.isfinite(values)]
+    return float(np.mean(finite)) if finite.size else float("nan")
+
+
 def task_fingerprint(task: tasks_lib.Task) -> dict[str, Any]:
     """What a resume compares of ``task`` besides its name: its shapes, batch size and
     description (``info``), and a sha256 of its evaluation splits' arrays, which are drawn
@@ -575,9 +587,7 @@ def task_fingerprint(task: tasks_lib.Task) -> dict[str, Any]:
     digest = hashlib.sha256()
     for split in sorted(task.splits):
         for key in sorted(task.splits[split]):
-            array = np.ascontiguousarray(task.splits[split][key])
-            digest.update(f"{split}/{key}:{array.dtype.str}:{array.shape};".encode())
-            digest.update(array.tobytes())
+            _hash_array(digest, task.splits[split][key], label=f"{split}/{key}:")
     return {
         "name": task.name,
         "seq_len": task.seq_len,
@@ -622,8 +632,7 @@ def optimizer_fingerprint(
     closed = jax.make_jaxpr(init_and_update)(specs, hp)
     digest = hashlib.sha256(re.sub(r" at 0x[0-9a-fA-F]+", "", str(closed)).encode())
     for const in closed.consts:  # array constants print as types only: hash their values
-        value = np.asarray(const)
-        digest.update(f"{value.dtype}{value.shape}".encode() + value.tobytes())
+        _hash_array(digest, const)
     return {
         "sha256": digest.hexdigest(),
         "versions": {
@@ -1089,8 +1098,8 @@ def train_grid(
             records = []
             for i in range(k):
                 window = history["loss"][i, since:done]
-                if config.skip_nonfinite:  # a skipped step's NaN/Inf loss moved nothing
-                    window = window[np.isfinite(window)]
+                # A skipped step's NaN/Inf loss moved nothing: the finite ones with skipping.
+                train_loss = _finite_mean(window) if config.skip_nonfinite else np.mean(window)
                 rec = {"step": done, **{n: float(v[i]) for n, v in results.items()}}
                 if "skipped_steps" in results:  # a count, not a measurement
                     rec["skipped_steps"] = int(results["skipped_steps"][i])
@@ -1101,7 +1110,7 @@ def train_grid(
                         "run": i,
                         "seed": int(seeds_arr[i]),
                         "hparams": {n: float(v[i]) for n, v in hp.items()},
-                        "train_loss": float(np.mean(window)) if window.size else float("nan"),
+                        "train_loss": float(train_loss),
                         **rec,
                     }
                 )
@@ -1109,9 +1118,7 @@ def train_grid(
                 write_jsonl(metrics_path, records)
             acc = results.get(f"{config.eval_splits[0]}_accuracy") if config.eval_splits else None
             if acc is not None and config.progress:
-                losses = history["loss"][:, s]
-                # (every configuration's step skipped: NaN, without nanmean's warning)
-                loss = np.mean(losses[np.isfinite(losses)]) if np.isfinite(losses).any() else np.nan
+                loss = _finite_mean(history["loss"][:, s])
                 bar.set_postfix(loss=f"{loss:.4f}", acc=f"{np.max(acc):.4f}")
             eval_time += time.perf_counter() - t_eval
         if checkpoint_dir is not None and (

@@ -8,9 +8,12 @@ Public API::
     tx = od.amsgrad(1e-3, variant="pytorch")
     tx = od.lion(3e-4, weight_decay=0.3)
 
-The core imports only jax, optax and chex.
+The submodules of the public API are attributes of the package (``od.memory.state_bytes``,
+``od.sharding.jit_init``, ``od.diagnostics.effective_decay``, ``od.cpu_kernel.available``,
+``od.quantization.quantize``). The core imports only jax, optax and chex.
 """
 
+from optax_decoupled import cpu_kernel, diagnostics, memory, quantization, sharding
 from optax_decoupled.aliases import adam_l2, adamw, amsgrad, lion
 from optax_decoupled.masks import DecayMask, decay_mask, resolve_mask
 from optax_decoupled.packing import (
@@ -53,18 +56,23 @@ __all__ = [
     "adamw",
     "amsgrad",
     "add_l2_gradient",
+    "cpu_kernel",
     "decay_mask",
     "decay_rate",
     "decoupled_weight_decay",
+    "diagnostics",
     "lion",
+    "memory",
     "packed",
     "packed_layout",
     "packed_transform",
     "PACKED_MASK",
     "PackedLayout",
     "PackedState",
+    "quantization",
     "resolve_mask",
     "resolve_storage",
     "scale_by_adam",
     "scale_by_lion",
+    "sharding",
 ]

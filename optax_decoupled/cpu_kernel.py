@@ -38,7 +38,7 @@ It is chosen as the 8-bit kernel is (:func:`applies_bf16`, :func:`single_device_
 If the extension was not built (no C++ compiler at install time) or cannot be loaded,
 :func:`available` is ``False``, 8-bit storage uses XLA's chunk loop and bfloat16 storage
 XLA's own program (the same results up to float32 rounding; 8-bit AdamW steps measured
-about 1.5-4x slower, bfloat16 ones up to about 1.5x, depending on the CPU,
+about 1.5-4x slower, bfloat16 ones up to about 1.8x, depending on the CPU,
 ``docs/memory.md``): the first such update traced with the CPU as the default backend says
 so with a :class:`RuntimeWarning` that gives :func:`unavailable_reason`.
 ``cpu_kernel=False`` on the storage chooses XLA's program explicitly (no warning). GPUs and
@@ -266,7 +266,7 @@ def _warn_unavailable() -> None:
     warnings.warn(
         f"optax_decoupled: the compiled CPU kernel for 8-bit and bfloat16 optimizer state is "
         f"unavailable ({unavailable_reason()}); their updates use XLA's own programs, with the "
-        "same results but slower steps (about 1.5-4x for 8-bit, up to 1.5x for bfloat16 state). "
+        "same results but slower steps (about 1.5-4x for 8-bit, up to 1.8x for bfloat16 state). "
         "Reinstall with a C++ compiler present to build it, or pass "
         "state_dtype=optax_decoupled.BlockwiseInt8Storage(cpu_kernel=False) (or "
         "FloatStorage(jnp.bfloat16, 'bfloat16', cpu_kernel=False)) to choose XLA's program.",

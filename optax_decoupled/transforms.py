@@ -287,7 +287,7 @@ def decoupled_weight_decay(
       learning_rate: :math:`\eta_t`, the same float/schedule the chain's learning-rate scaling
         uses; required by every convention but ``"constant"``.
       peak_learning_rate: :math:`\eta_{peak}` for ``"schedule"``/``"corrected"``; may be omitted
-        only when ``learning_rate`` is a constant Python float (then it is its own peak).
+        only when ``learning_rate`` is a constant Python or NumPy number (then it is its own peak).
       mask: which leaves are decayed; see :mod:`optax_decoupled.masks`.
 
     Raises:

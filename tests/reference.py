@@ -377,3 +377,86 @@ def run(
         params, state = optimizer.step(params, grad_fn(k, params), state)
         trajectory.append(params)
     return trajectory
+
+
+# ---------------------------------------------------------------------------------------------
+# Block-wise 8-bit state: Dettmers, Lewis, Shleifer & Zettlemoyer, "8-bit Optimizers via
+# Block-wise Quantization", ICLR 2022, Sec. 2: per block of B elements (flattened row-major,
+# zero-padded) one float32 absmax N_b and codes c_i = argmin_j |q_j - x_i / N_b| into a map q
+# (the signed dynamic map for the first moment, the unsigned one for the second); dequantize
+# q_{c_i} N_b; each step dequantizes, updates in higher precision, computes the update from the
+# new moments and quantizes them again. The maps are data (recorded from bitsandbytes by
+# tests/golden/make_dynamic_maps.py), passed in; the nearest value is found by brute force,
+# ties toward the value of smaller magnitude.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Blockwise8bit:
+    codes: np.ndarray  # (n_blocks, B) uint8
+    absmax: np.ndarray  # (n_blocks,) float32
+
+
+def quantize_8bit(x: np.ndarray, qmap: np.ndarray, block: int) -> Blockwise8bit:
+    """Nearest codes of ``x / N_b`` per block (the stored scale is float32, as in the paper)."""
+    flat = np.asarray(x, np.float64).reshape(-1)
+    flat = np.concatenate([flat, np.zeros(-len(flat) % block)])
+    blocks = flat.reshape(-1, block)
+    absmax = np.max(np.abs(blocks), axis=1).astype(np.float32)
+    y = blocks / np.where(absmax > 0, absmax, 1.0).astype(np.float64)[:, None]
+    q = np.asarray(qmap, np.float64)
+    dist = np.abs(y[..., None] - q)  # (n_blocks, B, 256)
+    best = dist == dist.min(axis=-1, keepdims=True)
+    codes = np.argmin(np.where(best, np.abs(q), np.inf), axis=-1)  # ties: smaller magnitude
+    return Blockwise8bit(codes.astype(np.uint8), absmax)
+
+
+def dequantize_8bit(s: Blockwise8bit, qmap: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``q_c N_b`` in float64, the padding dropped."""
+    values = np.asarray(qmap, np.float64)[s.codes] * s.absmax.astype(np.float64)[:, None]
+    return values.reshape(-1)[: math.prod(shape)].reshape(shape)
+
+
+@dataclass
+class Adam8bitState:
+    step: int
+    m: Blockwise8bit
+    v: Blockwise8bit
+    v_max: Blockwise8bit | None
+
+
+def adam_8bit_direction(
+    grad: np.ndarray,
+    state: Adam8bitState,
+    maps: tuple[np.ndarray, np.ndarray],
+    block: int,
+    **adam_kwargs: Any,
+) -> tuple[np.ndarray, Adam8bitState]:
+    """One 8-bit Adam / AMSGrad step on one array: dequantize, :func:`adam_direction` (the
+    update from the new unquantized moments), quantize the new moments. ``maps``: (signed,
+    unsigned)."""
+    signed, unsigned = maps
+    shape = np.shape(grad)
+    wide = AdamState(
+        step=state.step,
+        m=dequantize_8bit(state.m, signed, shape),
+        v=dequantize_8bit(state.v, unsigned, shape),
+        v_max=None if state.v_max is None else dequantize_8bit(state.v_max, unsigned, shape),
+    )
+    u, new = adam_direction(grad, wide, **adam_kwargs)
+    return u, Adam8bitState(
+        step=new.step,
+        m=quantize_8bit(new.m, signed, block),
+        v=quantize_8bit(new.v, unsigned, block),
+        v_max=None if new.v_max is None else quantize_8bit(new.v_max, unsigned, block),
+    )
+
+
+def lion_8bit_direction(
+    grad: np.ndarray, state: tuple[int, Blockwise8bit], signed: np.ndarray, block: int, **kw: Any
+) -> tuple[np.ndarray, tuple[int, Blockwise8bit]]:
+    """One 8-bit Lion step on one array: the momentum dequantized, :func:`lion_direction`,
+    the new momentum quantized with the signed map."""
+    step, m = state
+    u, new = lion_direction(grad, LionState(step, dequantize_8bit(m, signed, np.shape(grad))), **kw)
+    return u, (new.step, quantize_8bit(new.m, signed, block))

@@ -21,8 +21,10 @@ from optax_decoupled import quantization as Q
 from optax_decoupled import storage as S
 
 try:
+    from tests import reference as ref
     from tests import wrapper_checks
 except ImportError:  # tests/ itself is on sys.path (pytest's rootdir-less "prepend" import)
+    import reference as ref
     import wrapper_checks
 
 TINY = S.BlockwiseInt8Storage(block_size=64, min_size=0)
@@ -337,6 +339,90 @@ def test_adamw_trajectory_close_to_float32_on_a_quadratic(state_dtype, max_dista
     print(f"{state_dtype}: max distance {distance.max():.4f}, loss gap {gap:.4f}")
     assert gap < max_loss_gap
     assert lq[-1] < 0.05 * lq[0]  # and it did optimise
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the NumPy reference of block-wise 8-bit state (tests/reference.py)
+# ---------------------------------------------------------------------------------------------
+
+BNB = np.load(os.path.join(os.path.dirname(__file__), "golden", "bnb_dynamic_maps.npz"))
+#: bitsandbytes' maps (signed, unsigned), as recorded: the reference's only data.
+BNB_MAPS = (BNB["signed"], BNB["unsigned"])
+REF_SHAPE = (70, 301)  # 21,070 elements: 83 blocks of 256, the last one padded
+REF_LR, REF_WD = 1e-2, 0.1
+
+
+def _reference_gradients(steps):
+    """Rows of scales from 1e-3 to 10 (a block of 256 spans two rows, so small and large
+    values share blocks), decaying over the steps, a row of zeros and a recurring outlier."""
+    rng = np.random.default_rng(7)
+    row = np.exp(rng.uniform(np.log(1e-3), np.log(10.0), (REF_SHAPE[0], 1)))
+    out = []
+    for t in range(steps):
+        g = row * rng.standard_normal(REF_SHAPE) * 0.97**t
+        g[5] = 0.0
+        if t % 7 == 3:
+            g[11, 17] = 50.0
+        out.append(g.astype(np.float32))
+    return out
+
+
+def _moment_pairs(variant, state, ref_state):
+    """``(name, package QuantizedArray, reference Blockwise8bit, map)`` per 8-bit moment."""
+    signed, unsigned = BNB_MAPS
+    if variant == "lion":
+        mu = next(x for x in state if isinstance(x, od.ScaleByLionState)).mu["w"]
+        return [("mu", mu, ref_state[1], signed)]
+    adam = next(x for x in state if isinstance(x, od.ScaleByAdamState))
+    pairs = [("mu", adam.mu["w"], ref_state.m, signed), ("nu", adam.nu["w"], ref_state.v, unsigned)]
+    if ref_state.v_max is not None:
+        pairs.append(("nu_max", adam.nu_max["w"], ref_state.v_max, unsigned))
+    return pairs
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu_kernel", "xla"])
+@pytest.mark.parametrize("variant", ["adamw", "pytorch", "optax", "paper", "lion"])
+def test_8bit_state_follows_the_blockwise_reference(variant, kernel):
+    """8-bit AdamW (and its AMSGrad conventions) and Lion against ``reference.py``'s NumPy
+    implementation of Dettmers et al.'s block-wise 8-bit optimizers, which shares no code with
+    the package: bitsandbytes' recorded maps, float64 arithmetic, nearest codes by brute force.
+    Measured over 20 steps (2026-12-01): at least 99.98% of the codes identical at every step,
+    the others at most 0.017 apart in normalized value (one or two map steps: float32 against
+    float64 rounding at a decision point, carried by the moving averages), scales within 2e-5,
+    parameters within 9.1e-5 of max |θ|. The same run with float32 state is 2.5% (Lion) to
+    100% (Adam: blocks shared by rows of gradient scales 1e-3 and 10 round the small rows' ν to
+    0) away from this reference, so it tells the quantization apart."""
+    store = S.BlockwiseInt8Storage(cpu_kernel=kernel)
+    amsgrad = None if variant in ("adamw", "lion") else variant
+    if variant == "lion":
+        tx = od.lion(REF_LR, weight_decay=REF_WD, mask=None, state_dtype=store)
+        ref_state = (0, ref.quantize_8bit(np.zeros(REF_SHAPE), BNB_MAPS[0], 256))
+    else:
+        tx = od.adamw(REF_LR, weight_decay=REF_WD, mask=None, amsgrad=amsgrad, state_dtype=store)
+        zeros = [ref.quantize_8bit(np.zeros(REF_SHAPE), m, 256) for m in BNB_MAPS]
+        ref_state = ref.Adam8bitState(0, zeros[0], zeros[1], None if amsgrad is None else zeros[1])
+    p0 = np.random.default_rng(3).standard_normal(REF_SHAPE).astype(np.float32)
+    params, theta = {"w": jnp.asarray(p0)}, p0.astype(np.float64)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for t, g in enumerate(_reference_gradients(20)):
+        updates, state = update({"w": jnp.asarray(g)}, state, params)
+        params = optax.apply_updates(params, updates)
+        if variant == "lion":
+            u, ref_state = ref.lion_8bit_direction(g, ref_state, BNB_MAPS[0], 256)
+        else:
+            u, ref_state = ref.adam_8bit_direction(g, ref_state, BNB_MAPS, 256, amsgrad=amsgrad)
+        theta = theta - REF_LR * u - REF_LR * REF_WD * theta  # "lr" convention, as the aliases
+        for name, q, r, qmap in _moment_pairs(variant, state, ref_state):
+            codes = np.asarray(q.codes)
+            where = f"{name} at step {t}"
+            assert np.mean(codes == r.codes) >= 0.999, where
+            gap = np.max(np.diff(np.sort(qmap.astype(np.float64))))
+            apart = np.abs(qmap[codes].astype(np.float64) - qmap[r.codes])
+            assert apart.max() <= 2 * gap, where
+            np.testing.assert_allclose(np.asarray(q.absmax), r.absmax, rtol=1e-4, err_msg=where)
+        distance = np.max(np.abs(np.asarray(params["w"], np.float64) - theta))
+        assert distance <= 2e-4 * np.max(np.abs(theta)), f"parameters at step {t}"
 
 
 # ---------------------------------------------------------------------------------------------

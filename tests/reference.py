@@ -460,3 +460,36 @@ def lion_8bit_direction(
     step, m = state
     u, new = lion_direction(grad, LionState(step, dequantize_8bit(m, signed, np.shape(grad))), **kw)
     return u, (new.step, quantize_8bit(new.m, signed, block))
+
+
+# ---------------------------------------------------------------------------------------------
+# bfloat16 state: the moments are stored rounded to bfloat16 (8 significand bits, round to
+# nearest, ties to even) after each update; the update itself is computed from the new
+# unrounded moments, as with 8-bit state.
+# ---------------------------------------------------------------------------------------------
+
+
+def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """``x`` (float64, finite) rounded to float32, then to the nearest bfloat16 (ties to even),
+    returned as float64. Written from the format: keep the top 16 bits of the float32."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def adam_bf16_direction(
+    grad: np.ndarray, state: AdamState, **adam_kwargs: Any
+) -> tuple[np.ndarray, AdamState]:
+    """One Adam / AMSGrad step with bfloat16 moments on one array: :func:`adam_direction` on
+    the stored (bfloat16-valued) moments, the new moments rounded for storage."""
+    u, new = adam_direction(grad, state, **adam_kwargs)
+    v_max = None if new.v_max is None else round_to_bfloat16(new.v_max)
+    return u, AdamState(new.step, round_to_bfloat16(new.m), round_to_bfloat16(new.v), v_max)
+
+
+def lion_bf16_direction(
+    grad: np.ndarray, state: LionState, **kw: Any
+) -> tuple[np.ndarray, LionState]:
+    """One Lion step with a bfloat16 momentum on one array."""
+    u, new = lion_direction(grad, state, **kw)
+    return u, LionState(new.step, round_to_bfloat16(new.m))

@@ -425,6 +425,63 @@ def test_8bit_state_follows_the_blockwise_reference(variant, kernel):
         assert distance <= 2e-4 * np.max(np.abs(theta)), f"parameters at step {t}"
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu_kernel", "xla"])
+@pytest.mark.parametrize("variant", ["adamw", "pytorch", "optax", "paper", "lion"])
+def test_bfloat16_state_follows_the_reference(variant, kernel):
+    """The same against ``reference.py``'s bfloat16 state: the float64 update from the stored
+    moments, the new moments rounded to float32 and then to the nearest bfloat16 (written from
+    the format, checked against ml_dtypes in the next test). Measured over 20 steps
+    (2026-12-01): at least 99.69% of the stored moments identical at every step ("optax"
+    stores ν/(1-β₂ᵗ), whose division rounds differently in float32; the others ≥ 99.99%), the
+    rest one bfloat16 step apart or, where the moving average cancels, a few float32 steps of
+    its terms; parameters within 2.1e-4 of max |θ|. Float32 state stores no bfloat16 values."""
+    store = S.FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=kernel)
+    amsgrad = None if variant in ("adamw", "lion") else variant
+    if variant == "lion":
+        tx = od.lion(REF_LR, weight_decay=REF_WD, mask=None, state_dtype=store)
+        ref_state = ref.lion_init(np.zeros(REF_SHAPE))
+    else:
+        tx = od.adamw(REF_LR, weight_decay=REF_WD, mask=None, amsgrad=amsgrad, state_dtype=store)
+        ref_state = ref.adam_init(np.zeros(REF_SHAPE), amsgrad)
+    p0 = np.random.default_rng(3).standard_normal(REF_SHAPE).astype(np.float32)
+    params, theta = {"w": jnp.asarray(p0)}, p0.astype(np.float64)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for t, g in enumerate(_reference_gradients(20)):
+        updates, state = update({"w": jnp.asarray(g)}, state, params)
+        params = optax.apply_updates(params, updates)
+        if variant == "lion":
+            u, ref_state = ref.lion_bf16_direction(g, ref_state)
+            pairs = [(next(x for x in state if isinstance(x, od.ScaleByLionState)).mu, ref_state.m)]
+        else:
+            u, ref_state = ref.adam_bf16_direction(g, ref_state, amsgrad=amsgrad)
+            adam = next(x for x in state if isinstance(x, od.ScaleByAdamState))
+            pairs = [(adam.mu, ref_state.m), (adam.nu, ref_state.v)]
+            if amsgrad is not None:
+                pairs.append((adam.nu_max, ref_state.v_max))
+        theta = theta - REF_LR * u - REF_LR * REF_WD * theta
+        for k, (stored, expected) in enumerate(pairs):
+            assert stored["w"].dtype == jnp.bfloat16
+            got = np.asarray(stored["w"], np.float64)
+            where = f"moment {k} at step {t}"
+            assert np.mean(got == expected) >= 0.995, where
+            atol = 1e-6 * np.max(np.abs(expected))
+            np.testing.assert_allclose(got, expected, rtol=2.0**-7, atol=atol, err_msg=where)
+        distance = np.max(np.abs(np.asarray(params["w"], np.float64) - theta))
+        assert distance <= 4e-4 * np.max(np.abs(theta)), f"parameters at step {t}"
+
+
+def test_reference_bfloat16_rounding_equals_ml_dtypes():
+    """``reference.round_to_bfloat16`` (bit arithmetic) against ml_dtypes' conversion, on
+    values over sixty decades and on exact ties."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(100_000) * 10.0 ** rng.uniform(-30, 30, 100_000)
+    ties = (np.arange(1, 2**8, dtype=np.float64) * 2 + 1) * 2.0**-16  # halfway between bf16s
+    x = np.concatenate([x, ties, -ties, [0.0, -0.0]])
+    expected = x.astype(np.float32).astype(jnp.bfloat16).astype(np.float64)
+    np.testing.assert_array_equal(ref.round_to_bfloat16(x), expected)
+
+
 # ---------------------------------------------------------------------------------------------
 # Composition: jit, vmap, inject_hyperparams, MultiSteps, apply_if_finite, masks
 # ---------------------------------------------------------------------------------------------

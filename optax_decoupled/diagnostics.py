@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from optax_decoupled import masks as masks_lib
 from optax_decoupled import storage as storage_lib
-from optax_decoupled.quantization import QuantizedArray
+from optax_decoupled.quantization import QuantizedArray, restore_quantized
 from optax_decoupled.transforms import ScaleByAdamState, decay_rate
 
 
@@ -85,10 +85,9 @@ def effective_decay(
     count = jnp.maximum(count, 1)
     bc2 = 1.0 - b2 ** count.astype(jnp.float32)
     p_leaves, treedef = jax.tree.flatten(params)
-    nu_leaves = jax.tree.leaves(
-        adam.nu if amsgrad is None else adam.nu_max,
-        is_leaf=lambda x: isinstance(x, QuantizedArray),
-    )
+    # (An nnx.Optimizer's state holds 8-bit moments as {codes, absmax} States after a step.)
+    nu_tree = restore_quantized(adam.nu if amsgrad is None else adam.nu_max, signed=False)
+    nu_leaves = jax.tree.leaves(nu_tree, is_leaf=lambda x: isinstance(x, QuantizedArray))
     if len(nu_leaves) != len(p_leaves):
         raise ValueError(
             f"effective_decay: the optimizer state's second moment has {len(nu_leaves)} "

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -283,6 +284,34 @@ class QuantizedArray:
     @property
     def block_size(self) -> int:
         return self.codes.shape[-1]
+
+
+def _is_quantized_mapping(x: Any) -> bool:
+    """A mapping with exactly the fields of a :class:`QuantizedArray` (uint8 codes of shape
+    ``(n_blocks, B)`` or batched) that is not one."""
+    if isinstance(x, QuantizedArray) or not isinstance(x, Mapping):
+        return False
+    if set(x.keys()) != {"codes", "absmax"}:
+        return False
+    codes = x["codes"]
+    return hasattr(codes, "dtype") and codes.dtype == jnp.uint8 and jnp.ndim(codes) >= 2
+
+
+def restore_quantized(tree: Any, *, signed: bool) -> Any:
+    """``tree`` with every ``{"codes": ..., "absmax": ...}`` mapping turned back into a
+    :class:`QuantizedArray` with this ``signed``.
+
+    Flax NNX's ``nnx.Optimizer`` writes the state back with ``nnx.update(opt_state,
+    nnx.state(new_state))``, which flattens a moment's :class:`QuantizedArray` (a pytree
+    with two leaves, held by one ``OptVariable``) into an ``nnx.State`` of its fields and
+    drops the static ``signed`` flag. The transforms call this on each moment tree, with the
+    flag the moment always has (first moments signed, second moments unsigned), so that
+    8-bit state keeps working from the second step on."""
+
+    def rebuild(x):
+        return QuantizedArray(x["codes"], x["absmax"], signed) if _is_quantized_mapping(x) else x
+
+    return jax.tree.map(rebuild, tree, is_leaf=_is_quantized_mapping)
 
 
 def num_blocks(size: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:

@@ -60,6 +60,19 @@ def _map_unzip(fn, tree: Any, *rest: Any) -> list[Any]:
     return [treedef.unflatten([p[i] for p in parts]) for i in range(n)]
 
 
+def _restore_quantized_moments(state: Any, unsigned: tuple[str, ...]) -> Any:
+    """``state`` (a NamedTuple of moment trees) with 8-bit moments that an ``nnx.Optimizer``
+    flattened into ``{codes, absmax}`` mappings rebuilt (see
+    :func:`~optax_decoupled.quantization.restore_quantized`); the fields in ``unsigned``
+    hold unsigned moments, the other moment fields signed ones."""
+    fields = {}
+    for name in state._fields:
+        value = getattr(state, name)
+        if name != "count" and value is not None:
+            fields[name] = quant_lib.restore_quantized(value, signed=name not in unsigned)
+    return state._replace(**fields)
+
+
 def _check_shapes(updates: Any, reference: Any, name: str, what: str) -> None:
     """Raises ``ValueError`` naming the first leaf whose update shape differs from the
     reference's (JAX would otherwise broadcast e.g. a (3,) gradient against a (2, 3) moment).
@@ -434,6 +447,7 @@ def scale_by_adam(
 
     def update_fn(updates, state, params=None):
         V.check_update_dtypes(updates, "scale_by_adam")
+        state = _restore_quantized_moments(state, unsigned=("nu", "nu_max"))
         count = optax.safe_increment(state.count)
         bc1 = 1 - b1**count
         bc2 = 1 - b2**count
@@ -532,6 +546,7 @@ def scale_by_lion(
 
     def update_fn(updates, state, params=None):
         V.check_update_dtypes(updates, "scale_by_lion")
+        state = _restore_quantized_moments(state, unsigned=())
         _check_shapes(updates, state.mu, "scale_by_lion", "momentum")
         if params is not None:
             _check_shapes(updates, params, "scale_by_lion", "parameter")

@@ -246,3 +246,68 @@ def test_weight_decay_schedule_is_read_at_the_step():
         g, s2 = l2.update(zero, s2, params)
         np.testing.assert_allclose(u["w"], -0.1 * (t + 1), rtol=1e-6)
         np.testing.assert_allclose(g["w"], 0.1 * (t + 1), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flax NNX: nnx.Optimizer
+# ---------------------------------------------------------------------------------------------
+
+NNX_FACTORIES = {
+    "adamw": lambda sd: od.adamw(1e-2, weight_decay=0.1, state_dtype=sd),
+    "adam_l2": lambda sd: od.adam_l2(1e-2, weight_decay=0.1, state_dtype=sd),
+    "amsgrad_optax": lambda sd: od.amsgrad(1e-2, weight_decay=0.1, variant="optax", state_dtype=sd),
+    "lion": lambda sd: od.lion(1e-3, weight_decay=0.5, state_dtype=sd),
+}
+
+
+def _nnx_model_and_batch(nnx):
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            # 64 x 128 = 8,192 elements: 8-bit moments (>= 4096); the rest stay float32.
+            self.up, self.down = nnx.Linear(64, 128, rngs=rngs), nnx.Linear(128, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(jax.nn.gelu(self.up(x)))
+
+    x = jax.random.normal(jax.random.key(1), (8, 64))
+    y = jax.random.normal(jax.random.key(2), (8, 3))
+    return MLP(nnx.Rngs(0)), x, y
+
+
+@pytest.mark.parametrize("state_dtype", [None, "bfloat16", "int8"])
+@pytest.mark.parametrize("name", list(NNX_FACTORIES))
+def test_nnx_optimizer_equals_the_optax_loop(name, state_dtype):
+    """``nnx.Optimizer(model, tx, wrt=nnx.Param)`` under ``nnx.jit`` takes the same steps as
+    ``tx`` on the plain parameter dict, bit for bit. With 8-bit state the second step raised
+    AttributeError ('No attribute astype in State'): the optimizer writes its state back
+    through ``nnx.state``, which flattens each QuantizedArray into a State of its fields."""
+    nnx = pytest.importorskip("flax.nnx")
+    model, x, y = _nnx_model_and_batch(nnx)
+    tx = NNX_FACTORIES[name](state_dtype)
+    params = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    def loss(m):
+        return jnp.mean((m(x) - y) ** 2)
+
+    @nnx.jit
+    def nnx_step(model, opt):
+        grads = nnx.grad(loss)(model)
+        opt.update(model, grads)
+
+    graphdef = nnx.graphdef(model)
+
+    @jax.jit
+    def optax_step(params, state):
+        def pure_loss(p):
+            return loss(nnx.merge(graphdef, p))
+
+        grads = jax.grad(pure_loss)(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    for _ in range(4):
+        nnx_step(model, opt)
+        params, state = optax_step(params, state)
+        chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model, nnx.Param)), params)

@@ -81,6 +81,31 @@ def test_coupled_effective_decay_of_an_nnx_optimizer():
     np.testing.assert_array_equal(eff["bias"].get_value(), 0.0)
 
 
+def test_coupled_effective_decay_of_an_nnx_optimizer_with_8bit_state():
+    """After a step, ``nnx.Optimizer`` holds each 8-bit moment as a State of its fields
+    (codes, absmax): it counted as two leaves ('second moment has 3 leaves but `params` has
+    2'). Equal to the same steps taken with plain Optax."""
+    nnx = pytest.importorskip("flax.nnx")
+    import jax
+    import optax
+
+    model = nnx.Linear(64, 128, rngs=nnx.Rngs(0))  # an 8,192-element kernel: 8-bit moments
+    tx = od.adam_l2(1e-2, weight_decay=0.1, state_dtype="int8")
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    state = tx.init(params)
+    for t in range(3):
+        grads = jax.tree.map(lambda p, t=t: jnp.cos(p + t), nnx.state(model, nnx.Param))
+        opt.update(model, grads)
+        updates, state = tx.update(nnx.to_pure_dict(grads), state, params)
+        params = optax.apply_updates(params, updates)
+    kwargs = dict(learning_rate=1e-2, weight_decay=0.1, coupled=True)
+    eff = D.effective_decay(opt.opt_state, nnx.state(model, nnx.Param), **kwargs)
+    expected = D.effective_decay(state, params, **kwargs)
+    np.testing.assert_array_equal(eff["kernel"].get_value(), expected["kernel"])
+    assert float(np.max(expected["kernel"])) > 0
+
+
 def test_coupled_effective_decay_reads_8bit_state_without_state_dtype():
     """An 8-bit state read without ``state_dtype="int8"`` raised AttributeError
     ('QuantizedArray' object has no attribute 'astype'); the state says it is quantized."""

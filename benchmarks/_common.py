@@ -333,7 +333,8 @@ def _parse(lines: list[str]) -> list[tuple[str, str, str, list[str], str]]:
 
 def _param_reads(lines: list[str]) -> dict[int, int]:
     """Bytes a fused computation reads from each of its parameters: elements demanded from the
-    root (slices demand only their window), times the element size."""
+    root (slices demand only their window, reductions all of their input), times the element
+    size."""
     instrs = _parse(lines)
     by_name = {i[0]: i for i in instrs}
     demand: dict[str, int] = {}
@@ -357,6 +358,8 @@ def _param_reads(lines: list[str]) -> dict[int, int]:
             size_o = sum(n for n, _ in _arrays(by_name[o][1]))
             if op in ("broadcast",):
                 want = size_o
+            elif op in ("reduce", "reduce-window"):
+                want = size_o  # every input element, however small the result
             elif op in ("slice", "dynamic-slice"):
                 want = d
             elif op == "concatenate":

@@ -13,7 +13,9 @@ Usage::
     python benchmarks/ssm_targets.py --out results/ssm_targets.json --progress
 
 Prints one line per result and a Markdown summary, and writes all numbers (including each
-evaluation) as JSON. docs/ssm.md records a run of this script.
+evaluation) as JSON. docs/ssm.md records a run of this script. The two backends' step times
+come from one training run each, one after the other, not from steps taken in turns: their
+ratio carries any change of the machine's load between the two runs.
 """
 
 from __future__ import annotations

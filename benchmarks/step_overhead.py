@@ -16,7 +16,8 @@ buffer per decay group (``packed_layout(..., max_leaf_size=None)``: a handful of
     python benchmarks/step_overhead.py --sizes 1e6 --leaves 1 200      # CPU, ~1 minute
     python benchmarks/step_overhead.py --sizes 1e8 --leaves 1 200      # a GPU
 
-Writes JSON with ``--out``.
+Writes JSON with ``--out``. Each contender is timed in a block of its own (not in turns with
+the others) and no ratios are printed: the numbers are absolute, for an idle device.
 """
 
 from __future__ import annotations

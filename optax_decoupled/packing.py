@@ -57,7 +57,11 @@ across devices would reshard them every step, so :func:`packed` refuses them; ke
 optimizer for sharded models.
 
 Checkpointing: a packed state is a NamedTuple of a few arrays, and Orbax or ``np.savez`` store
-it as is. :meth:`PackedLayout.unpack_state` and :meth:`PackedLayout.pack_state` convert a
+it as is. It also records, statically (in its tree structure, not as arrays), the parameters
+it was built for (:class:`PackedParams`): ``update`` refuses parameters or gradients of other
+shapes, dtypes or structure with a ``ValueError`` naming the leaf, as the unpacked optimizer
+does (a tree whose leaves fill the same buffers would otherwise mix the moments of different
+leaves). :meth:`PackedLayout.unpack_state` and :meth:`PackedLayout.pack_state` convert a
 state between the packed and the unpacked optimizer (e.g. to resume an unpacked run packed).
 """
 
@@ -86,10 +90,82 @@ DECAY, NO_DECAY = "decay", "no_decay"
 PACKED_MASK = masks_lib.DecayMask(include=(r"^decay/",))
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=[], meta_fields=["treedef", "leaves"]
+)
+@dataclasses.dataclass(frozen=True)
+class PackedParams:
+    """The parameters a packed state was built for: their tree structure and, per leaf, its
+    key path, shape and (canonical) dtype. Static: a pytree node without leaves, so it lives
+    in the state's tree structure and costs nothing in checkpoints or under ``jit``."""
+
+    treedef: Any = None
+    leaves: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+
+    @classmethod
+    def of(cls, params: Any) -> PackedParams:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+        return cls(
+            treedef,
+            tuple((jax.tree_util.keystr(k), _shape(x), _dtype_name(x)) for k, x in flat),
+        )
+
+    def like(self) -> Any:
+        """A tree of ``jax.ShapeDtypeStruct`` with these parameters' structure."""
+        return self.treedef.unflatten(
+            [jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in self.leaves]
+        )
+
+
 class PackedState(NamedTuple):
-    """State of a :func:`packed` optimizer: the inner optimizer's state on the packed tree."""
+    """State of a :func:`packed` optimizer: the inner optimizer's state on the packed tree,
+    and the parameters it was built for (:class:`PackedParams`, static; compared with those
+    given to ``update``)."""
 
     inner_state: optax.OptState
+    params: PackedParams = PackedParams()
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in np.shape(x))
+
+
+def _dtype_name(x: Any) -> str:
+    """The dtype JAX computes ``x`` in: NumPy float64 and Python floats are float32 unless
+    x64 is on (they were packed under their own dtype's name, and the next step's float32
+    parameters under another)."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(dtype)).name
+
+
+def _check_params(expected: PackedParams, params: Any, what: str) -> None:
+    """Raises ``ValueError`` naming the first leaf of ``params`` (the parameters, or the
+    gradients when ``what`` says so) that differs from those the state was built for."""
+    if expected.treedef is None:  # a state built by hand without them: nothing to compare
+        return
+    got = PackedParams.of(params)
+    compare_dtype = what == "parameters"
+    for (path, shape, dtype), (gpath, gshape, gdtype) in zip(
+        expected.leaves, got.leaves, strict=False
+    ):
+        if path != gpath:
+            break
+        if compare_dtype and (shape != gshape or dtype != gdtype):
+            raise ValueError(
+                f"packed: the parameter at {path} has shape {gshape} and dtype {gdtype} but "
+                f"the optimizer state was built for shape {shape} and dtype {dtype}; pass the "
+                "parameters init was given (call init again for new parameters)."
+            )
+        if shape != gshape:
+            raise ValueError(
+                f"packed: the gradient at {path} has shape {gshape} but its parameter has "
+                f"shape {shape}; gradients must have their parameters' shapes."
+            )
+    if got.treedef != expected.treedef:
+        raise ValueError(
+            f"packed: the {what} have the structure {got.treedef} but the optimizer state was "
+            f"built for {expected.treedef}."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +262,11 @@ class PackedLayout:
         )
 
     def _is_unpacked(self, x: Any) -> bool:
+        # Floating leaves only: a step count has the shape of a scalar parameter.
         try:
             return jax.tree.structure(x) == self.treedef and all(
                 tuple(np.shape(leaf)) == s.shape
+                and jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
                 for leaf, s in zip(self.treedef.flatten_up_to(x), self._slots(), strict=True)
             )
         except (ValueError, TypeError):
@@ -200,8 +278,20 @@ class PackedLayout:
 
     def unpack_state(self, state: Any) -> Any:
         """The inner optimizer's state with every packed moment unpacked to the parameters'
-        structure: the state the unpacked optimizer would have (``state`` may be a
-        :class:`PackedState` or its ``inner_state``)."""
+        structure: the state the unpacked optimizer would have. ``state`` may be a
+        :class:`PackedState`, its ``inner_state``, or the state of a chain or wrapper around
+        the packed optimizer (``optax.chain(clip, od.packed(od.adamw)(...))``,
+        ``optax.apply_if_finite(...)``): each :class:`PackedState` in it is replaced by its
+        unpacked inner state, as the same chain of the unpacked optimizer has it."""
+        is_packed_state = lambda x: isinstance(x, PackedState)  # noqa: E731
+        if not isinstance(state, PackedState) and any(
+            is_packed_state(x) for x in jax.tree.leaves(state, is_leaf=is_packed_state)
+        ):
+            return jax.tree.map(
+                lambda x: self.unpack_state(x) if is_packed_state(x) else x,
+                state,
+                is_leaf=is_packed_state,
+            )
         if isinstance(state, PackedState):
             state = state.inner_state
         _reject_quantized(state, "unpack_state")
@@ -216,8 +306,22 @@ class PackedLayout:
         )
 
     def pack_state(self, state: Any) -> PackedState:
-        """The inverse of :meth:`unpack_state`: packs every parameter-shaped subtree of an
-        unpacked optimizer's state, giving the state of the :func:`packed` optimizer."""
+        """The inverse of :meth:`unpack_state` for the optimizer's own state: packs every
+        parameter-shaped subtree of the state of the optimizer that :func:`packed` wraps
+        (e.g. ``od.adamw(...)``'s), giving the :class:`PackedState` of the packed optimizer.
+
+        Not the state of a chain or wrapper around it: which part of such a state the
+        packed optimizer replaces is not written in the state. Pack that part and put it back,
+        e.g. ``(state[0], layout.pack_state(state[1]))`` for ``optax.chain(clip,
+        od.adamw(...))``, or ``state._replace(inner_state=layout.pack_state(
+        state.inner_state))`` for ``optax.apply_if_finite``."""
+        inner = next((f for f in _WRAPPER_FIELDS if f in getattr(state, "_fields", ())), None)
+        if inner is not None:
+            raise ValueError(
+                f"pack_state: this is the state of an Optax wrapper ({type(state).__name__}); "
+                f"pack its `{inner}` and put it back: "
+                f"state._replace({inner}=layout.pack_state(state.{inner}))."
+            )
         _reject_quantized(state, "pack_state")
         if not any(self._is_unpacked(x) for x in jax.tree.leaves(state, is_leaf=self._is_unpacked)):
             raise ValueError(
@@ -226,7 +330,21 @@ class PackedLayout:
         packed_inner = jax.tree.map(
             lambda x: self.pack(x) if self._is_unpacked(x) else x, state, is_leaf=self._is_unpacked
         )
-        return PackedState(inner_state=packed_inner)
+        params = self.treedef.unflatten(
+            [jax.ShapeDtypeStruct(sl.shape, self._dtype_of(sl.leaf)) for sl in self._slots()]
+        )
+        return PackedState(inner_state=packed_inner, params=PackedParams.of(params))
+
+    def _dtype_of(self, leaf: int) -> str:
+        for g in self.buffers.values():
+            for b in g.values():
+                if any(sl.leaf == leaf for sl in b.slots):
+                    return b.dtype
+        raise KeyError(leaf)
+
+
+#: The fields in which Optax's wrappers keep the wrapped optimizer's state.
+_WRAPPER_FIELDS = ("inner_state", "inner_opt_state")
 
 
 def _reject_quantized(state: Any, method: str) -> None:
@@ -290,7 +408,7 @@ def packed_layout(
     whole: dict[str, dict[str, _Buffer]] = {DECAY: {}, NO_DECAY: {}}
     for i, (leaf, flag) in enumerate(zip(leaves, flags, strict=True)):
         key = DECAY if flag else NO_DECAY
-        dt = jnp.dtype(leaf.dtype).name
+        dt = _dtype_name(leaf)
         shape = tuple(int(d) for d in np.shape(leaf))
         size = math.prod(shape)
         if max_leaf_size is not None and size > max_leaf_size:
@@ -356,15 +474,24 @@ def packed_transform(
         V.check_param_dtypes(params, "packed")
         _check_not_sharded(params)
         layout = packed_layout(params, mask, **options)
-        return PackedState(inner_state=build(layout).init(layout.pack(params)))
+        inner_state = build(layout).init(layout.pack(params))
+        return PackedState(inner_state=inner_state, params=PackedParams.of(params))
 
     def update_fn(updates, state, params=None, **extra_args):
-        layout = packed_layout(updates if params is None else params, mask, **options)
+        # The layout is that of the parameters the state was built for (without `params`,
+        # rebuilt from their shapes and dtypes): a tree whose leaves merely add up to the same
+        # buffer lengths would otherwise mix the moments of different leaves.
+        expected = state.params
+        if params is not None:
+            _check_params(expected, params, "parameters")
+        _check_params(expected, updates, "gradients")
+        like = params if params is not None or expected.treedef is None else expected.like()
+        layout = packed_layout(updates if like is None else like, mask, **options)
         packed_params = None if params is None else layout.pack(params)
         new, inner_state = build(layout).update(
             layout.pack(updates), state.inner_state, packed_params, **extra_args
         )
-        return layout.unpack(new), PackedState(inner_state=inner_state)
+        return layout.unpack(new), PackedState(inner_state=inner_state, params=expected)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -463,3 +463,93 @@ def test_state_shardings_of_a_packed_optimizer_is_a_clear_error():
         with pytest.raises(ValueError, match="this optimizer is packed"):
             sharding.jit_init(tx, params)
     sharding.jit_init(od.adamw(1e-3), params)  # unpacked: fine
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters or gradients other than those init was given (from a review; each was silently
+# accepted or a cryptic error)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factory", [od.adamw, od.lion])
+def test_parameters_of_other_shapes_with_the_same_buffer_length_are_refused(factory):
+    """``{"a": (3,), "b": (5,)}`` at init and ``{"a": (5,), "b": (3,)}`` at update fill the
+    same buffers: the layout was rebuilt from the update's parameters and the moments of the
+    two leaves were silently mixed. The unpacked optimizer refuses it; so does the packed one,
+    naming the leaf."""
+    tx = packed(factory)(1e-2, weight_decay=0.1)
+    state = tx.init({"a": jnp.ones(3), "b": jnp.ones(5)})
+    swapped = {"a": jnp.ones(5), "b": jnp.ones(3)}
+    other_shape = r"parameter at \['a'\] has shape \(5,\) and dtype float32 but"
+    with pytest.raises(ValueError, match=other_shape):
+        tx.update(swapped, state, swapped)
+    other_dtype = r"parameter at \['a'\] has shape \(3,\) and dtype bfloat16"
+    with pytest.raises(ValueError, match=other_dtype):
+        tx.update(
+            {"a": jnp.ones(3), "b": jnp.ones(5)},
+            state,
+            {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(5)},
+        )
+    with pytest.raises(ValueError, match=r"the parameters have the structure"):
+        extra = {"a": jnp.ones(3), "b": jnp.ones(5), "c": jnp.ones(1)}
+        tx.update(extra, state, extra)
+
+
+@pytest.mark.parametrize("with_params", [True, False])
+def test_gradients_of_other_shapes_are_refused(with_params):
+    """A transposed (3, 5) gradient of a (5, 3) kernel or a (1, 3) gradient of a (3,) bias
+    was reshaped into the buffer without a word."""
+    params = {"w": jnp.ones((5, 3)), "b": jnp.ones(3)}
+    tx = packed(od.adamw)(1e-2, weight_decay=0.0 if not with_params else 0.1)
+    state = tx.init(params)
+    for grads, where, shape in [
+        ({"w": jnp.ones((3, 5)), "b": jnp.ones(3)}, "w", r"\(3, 5\)"),
+        ({"w": jnp.ones((5, 3)), "b": jnp.ones((1, 3))}, "b", r"\(1, 3\)"),
+    ]:
+        with pytest.raises(ValueError, match=rf"gradient at \['{where}'\] has shape {shape}"):
+            tx.update(grads, state, params if with_params else None)
+
+
+def test_numpy_float64_and_python_float_parameters_as_unpacked():
+    """Parameters from NumPy (float64, computed in float32 with x64 off) named their buffers
+    "float64" at init and "float32" from the first step on (a pytree error at the second
+    step); a Python float leaf raised AttributeError at init."""
+    params = {"w": np.linspace(-1.0, 1.0, 12).reshape(4, 3), "b": np.zeros(3), "t": 0.5}
+    outs = []
+    for factory in (od.adamw, packed(od.adamw)):
+        tx = factory(1e-2, weight_decay=0.1)
+        p, state = params, tx.init(params)
+        for t in range(3):
+            grads = jax.tree.map(lambda x, t=t: jnp.sin(jnp.asarray(x, jnp.float32) + t), p)
+            updates, state = tx.update(grads, state, p)
+            p = optax.apply_updates(p, updates)
+        outs.append(p)
+    chex.assert_trees_all_close(outs[1], outs[0], rtol=1e-6)  # 0-d leaf: to the last bit
+    chex.assert_trees_all_equal(outs[1]["w"], outs[0]["w"])
+
+
+def test_state_conversion_inside_chains_and_wrappers():
+    """``unpack_state`` of a chain's or wrapper's state unpacks the PackedState inside it;
+    ``pack_state`` of a wrapper's state says which field to pack (it wrapped the whole state
+    and failed later with AttributeError); a scalar parameter tree no longer takes the step
+    count for a moment ("entry not a 2- or 3- tuple")."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), "b": jnp.ones(3)}
+    layout = packed_layout(params)
+    for wrap in (
+        lambda tx: optax.chain(optax.clip_by_global_norm(1.0), tx),
+        lambda tx: optax.apply_if_finite(tx, 3),
+    ):
+        tx_p, tx_u = wrap(packed(od.adamw)(1e-2)), wrap(od.adamw(1e-2))
+        s_p, s_u = tx_p.init(params), tx_u.init(params)
+        _, s_p = tx_p.update(params, s_p, params)
+        _, s_u = tx_u.update(params, s_u, params)
+        chex.assert_trees_all_close(layout.unpack_state(s_p), s_u, rtol=1e-6)
+    with pytest.raises(ValueError, match="pack its `inner_state`"):
+        layout.pack_state(s_u)
+    repacked = s_u._replace(inner_state=layout.pack_state(s_u.inner_state))
+    chex.assert_trees_all_close(repacked, s_p, rtol=1e-6)
+    scalar = jnp.asarray(0.5)
+    tx, scalar_layout = od.adamw(1e-2, mask=None), packed_layout(scalar, mask=None)
+    _, state = tx.update(scalar, tx.init(scalar), scalar)
+    back = scalar_layout.unpack_state(scalar_layout.pack_state(state))
+    chex.assert_trees_all_equal(back, state)

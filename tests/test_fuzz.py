@@ -218,6 +218,19 @@ CASES: dict[str, Case] = {
             {"w": jnp.ones((2, 3)), "b": jnp.ones(3)},
         ),
     ),
+    "packed-other-params": Case(
+        "`od.packed`: parameters other than those `init` was given (another shape, dtype or "
+        "structure; also when their leaves would fill the same buffers)",
+        lambda: od.packed(od.adamw)(1e-3).update(
+            {"a": jnp.ones(5), "b": jnp.ones(3)},
+            od.packed(od.adamw)(1e-3).init({"a": jnp.ones(3), "b": jnp.ones(5)}),
+            {"a": jnp.ones(5), "b": jnp.ones(3)},
+        ),
+    ),
+    "packed-grads-shape": Case(
+        "`od.packed`: a gradient leaf of another shape than its parameter (a transposed one too)",
+        lambda: _update(od.packed(od.adamw)(1e-3), {"w": jnp.ones((3, 2)), "b": jnp.ones(3)}),
+    ),
     "grads-shape-8bit": Case(
         "a gradient leaf that fills another number of blocks than its 8-bit moment, `update` "
         "without `params` (8-bit moments keep no shape: a size that fills the same blocks, "
@@ -265,6 +278,8 @@ DOCUMENTED = [
     r"^pytree structure error: ",  # JAX's tree utilities, naming the key path
     r"^Custom node type mismatch",  # JAX, for NamedTuple/dataclass containers
     r"^\w+: the update at .* has shape .* but the .* has shape",
+    r"^packed: the (parameter|gradient) at .* has shape ",
+    r"^packed: the (parameters|gradients) have the structure ",
     r"^\w+: `\w+` has shape .*, which does not broadcast to the update at ",
     r"^scale_by_learning_rate: `learning_rate` \(a schedule\) changed the shape of the update",
 ]

@@ -380,6 +380,30 @@ def _moment_pairs(variant, state, ref_state):
     return pairs
 
 
+def _follow_reference(variant, store, ref_state, ref_step, param_rtol):
+    """20 steps of ``variant`` (``"adamw"``, an AMSGrad convention or ``"lion"``) with
+    ``store`` state and of the reference (``ref_step(g, ref_state) -> (u, ref_state)``) on
+    the same gradients; asserts the parameters stay within ``param_rtol`` of max |θ| and
+    yields ``(t, state, ref_state)`` after each step."""
+    amsgrad = None if variant in ("adamw", "lion") else variant
+    if variant == "lion":
+        tx = od.lion(REF_LR, weight_decay=REF_WD, mask=None, state_dtype=store)
+    else:
+        tx = od.adamw(REF_LR, weight_decay=REF_WD, mask=None, amsgrad=amsgrad, state_dtype=store)
+    p0 = np.random.default_rng(3).standard_normal(REF_SHAPE).astype(np.float32)
+    params, theta = {"w": jnp.asarray(p0)}, p0.astype(np.float64)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for t, g in enumerate(_reference_gradients(20)):
+        updates, state = update({"w": jnp.asarray(g)}, state, params)
+        params = optax.apply_updates(params, updates)
+        u, ref_state = ref_step(g, ref_state)
+        theta = theta - REF_LR * u - REF_LR * REF_WD * theta  # "lr" convention, as the aliases
+        yield t, state, ref_state
+        distance = np.max(np.abs(np.asarray(params["w"], np.float64) - theta))
+        assert distance <= param_rtol * np.max(np.abs(theta)), f"parameters at step {t}"
+
+
 @pytest.mark.parametrize("kernel", [True, False], ids=["cpu_kernel", "xla"])
 @pytest.mark.parametrize("variant", ["adamw", "pytorch", "optax", "paper", "lion"])
 def test_8bit_state_follows_the_blockwise_reference(variant, kernel):
@@ -395,25 +419,19 @@ def test_8bit_state_follows_the_blockwise_reference(variant, kernel):
     store = S.BlockwiseInt8Storage(cpu_kernel=kernel)
     amsgrad = None if variant in ("adamw", "lion") else variant
     if variant == "lion":
-        tx = od.lion(REF_LR, weight_decay=REF_WD, mask=None, state_dtype=store)
         ref_state = (0, ref.quantize_8bit(np.zeros(REF_SHAPE), BNB_MAPS[0], 256))
+
+        def ref_step(g, rs):
+            return ref.lion_8bit_direction(g, rs, BNB_MAPS[0], 256)
     else:
-        tx = od.adamw(REF_LR, weight_decay=REF_WD, mask=None, amsgrad=amsgrad, state_dtype=store)
         zeros = [ref.quantize_8bit(np.zeros(REF_SHAPE), m, 256) for m in BNB_MAPS]
         ref_state = ref.Adam8bitState(0, zeros[0], zeros[1], None if amsgrad is None else zeros[1])
-    p0 = np.random.default_rng(3).standard_normal(REF_SHAPE).astype(np.float32)
-    params, theta = {"w": jnp.asarray(p0)}, p0.astype(np.float64)
-    state = tx.init(params)
-    update = jax.jit(tx.update)
-    for t, g in enumerate(_reference_gradients(20)):
-        updates, state = update({"w": jnp.asarray(g)}, state, params)
-        params = optax.apply_updates(params, updates)
-        if variant == "lion":
-            u, ref_state = ref.lion_8bit_direction(g, ref_state, BNB_MAPS[0], 256)
-        else:
-            u, ref_state = ref.adam_8bit_direction(g, ref_state, BNB_MAPS, 256, amsgrad=amsgrad)
-        theta = theta - REF_LR * u - REF_LR * REF_WD * theta  # "lr" convention, as the aliases
-        for name, q, r, qmap in _moment_pairs(variant, state, ref_state):
+
+        def ref_step(g, rs):
+            return ref.adam_8bit_direction(g, rs, BNB_MAPS, 256, amsgrad=amsgrad)
+
+    for t, state, ref_now in _follow_reference(variant, store, ref_state, ref_step, 2e-4):
+        for name, q, r, qmap in _moment_pairs(variant, state, ref_now):
             codes = np.asarray(q.codes)
             where = f"{name} at step {t}"
             assert np.mean(codes == r.codes) >= 0.999, where
@@ -421,8 +439,6 @@ def test_8bit_state_follows_the_blockwise_reference(variant, kernel):
             apart = np.abs(qmap[codes].astype(np.float64) - qmap[r.codes])
             assert apart.max() <= 2 * gap, where
             np.testing.assert_allclose(np.asarray(q.absmax), r.absmax, rtol=1e-4, err_msg=where)
-        distance = np.max(np.abs(np.asarray(params["w"], np.float64) - theta))
-        assert distance <= 2e-4 * np.max(np.abs(theta)), f"parameters at step {t}"
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["cpu_kernel", "xla"])
@@ -438,28 +454,21 @@ def test_bfloat16_state_follows_the_reference(variant, kernel):
     store = S.FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=kernel)
     amsgrad = None if variant in ("adamw", "lion") else variant
     if variant == "lion":
-        tx = od.lion(REF_LR, weight_decay=REF_WD, mask=None, state_dtype=store)
-        ref_state = ref.lion_init(np.zeros(REF_SHAPE))
+        ref_state, ref_step = ref.lion_init(np.zeros(REF_SHAPE)), ref.lion_bf16_direction
     else:
-        tx = od.adamw(REF_LR, weight_decay=REF_WD, mask=None, amsgrad=amsgrad, state_dtype=store)
         ref_state = ref.adam_init(np.zeros(REF_SHAPE), amsgrad)
-    p0 = np.random.default_rng(3).standard_normal(REF_SHAPE).astype(np.float32)
-    params, theta = {"w": jnp.asarray(p0)}, p0.astype(np.float64)
-    state = tx.init(params)
-    update = jax.jit(tx.update)
-    for t, g in enumerate(_reference_gradients(20)):
-        updates, state = update({"w": jnp.asarray(g)}, state, params)
-        params = optax.apply_updates(params, updates)
+
+        def ref_step(g, rs):
+            return ref.adam_bf16_direction(g, rs, amsgrad=amsgrad)
+
+    for t, state, ref_now in _follow_reference(variant, store, ref_state, ref_step, 4e-4):
         if variant == "lion":
-            u, ref_state = ref.lion_bf16_direction(g, ref_state)
-            pairs = [(next(x for x in state if isinstance(x, od.ScaleByLionState)).mu, ref_state.m)]
+            pairs = [(next(x for x in state if isinstance(x, od.ScaleByLionState)).mu, ref_now.m)]
         else:
-            u, ref_state = ref.adam_bf16_direction(g, ref_state, amsgrad=amsgrad)
             adam = next(x for x in state if isinstance(x, od.ScaleByAdamState))
-            pairs = [(adam.mu, ref_state.m), (adam.nu, ref_state.v)]
+            pairs = [(adam.mu, ref_now.m), (adam.nu, ref_now.v)]
             if amsgrad is not None:
-                pairs.append((adam.nu_max, ref_state.v_max))
-        theta = theta - REF_LR * u - REF_LR * REF_WD * theta
+                pairs.append((adam.nu_max, ref_now.v_max))
         for k, (stored, expected) in enumerate(pairs):
             assert stored["w"].dtype == jnp.bfloat16
             got = np.asarray(stored["w"], np.float64)
@@ -467,8 +476,6 @@ def test_bfloat16_state_follows_the_reference(variant, kernel):
             assert np.mean(got == expected) >= 0.995, where
             atol = 1e-6 * np.max(np.abs(expected))
             np.testing.assert_allclose(got, expected, rtol=2.0**-7, atol=atol, err_msg=where)
-        distance = np.max(np.abs(np.asarray(params["w"], np.float64) - theta))
-        assert distance <= 4e-4 * np.max(np.abs(theta)), f"parameters at step {t}"
 
 
 def test_reference_bfloat16_rounding_equals_ml_dtypes():

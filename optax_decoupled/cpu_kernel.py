@@ -53,6 +53,7 @@ import ctypes
 import functools
 import importlib.machinery
 import pathlib
+import re
 import warnings
 from typing import Any
 
@@ -111,6 +112,16 @@ def _register() -> bool:
         return False
     try:
         lib = ctypes.CDLL(str(path))
+        built, running = _ffi_api_version(lib), _jaxlib_ffi_api_version()
+        if not ffi_api_compatible(built, running):
+            _load_error = (
+                f"{path.name} was compiled against XLA FFI API {built[0]}.{built[1]}, newer "
+                f"than this jaxlib's {running[0]}.{running[1]} (jaxlib {jax.__version__}; pip "
+                "builds in an isolated environment with the newest jax): reinstall it against "
+                "the installed jax, e.g. pip install --no-build-isolation --force-reinstall "
+                "--no-deps optax-decoupled (from a checkout: -e .)"
+            )
+            return False
         ffi.register_ffi_target(TARGET, ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
         ffi.register_ffi_target(
             BF16_TARGET, ffi.pycapsule(getattr(lib, _BF16_SYMBOL)), platform="cpu"
@@ -120,6 +131,35 @@ def _register() -> bool:
         return False
     _lib = lib
     return True
+
+
+def _ffi_api_version(lib: ctypes.CDLL) -> tuple[int, int]:
+    """The XLA FFI API version (major, minor) the library was compiled against."""
+    major, minor = divmod(int(lib.OdFfiApiVersion()), 1000)
+    return major, minor
+
+
+def _jaxlib_ffi_api_version() -> tuple[int, int] | None:
+    """The XLA FFI API version (major, minor) of the running jaxlib, from the FFI header it
+    ships (``jax.ffi.include_dir()``; ``None`` if that cannot be read)."""
+    try:
+        header = pathlib.Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
+        text = header.read_text()
+        major = re.search(r"^#define XLA_FFI_API_MAJOR (\d+)", text, re.MULTILINE)
+        minor = re.search(r"^#define XLA_FFI_API_MINOR (\d+)", text, re.MULTILINE)
+        return int(major.group(1)), int(minor.group(1))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def ffi_api_compatible(built: tuple[int, int], running: tuple[int, int] | None) -> bool:
+    """Whether a handler compiled against XLA FFI API ``built`` can be registered with a
+    jaxlib of API ``running``: the same major version and a minor version no newer than
+    the jaxlib's (XLA keeps accepting older minor versions; a newer one makes the CPU backend
+    fail to start). Unknown (``None``): assumed compatible."""
+    if running is None:
+        return True
+    return built[0] == running[0] and built[1] <= running[1]
 
 
 def available() -> bool:
@@ -285,7 +325,7 @@ def requantize_ema(
     """``quantize(update(*dequantize(stored), g))`` per moment, by the compiled kernel.
 
     Call only where :func:`applies` is true and on the CPU (``quantization.requantize``
-    dispatches with ``jax.lax.platform_dependent``).
+    dispatches with :func:`platform_dependent`).
 
     The transforms compute their output from the old moments, in XLA, fused into the
     parameter update. With ``emit_old`` (what they use, through
@@ -416,7 +456,7 @@ def dispatch(
     :func:`ema_bf16`) in programs compiled for one CPU device, ``cpu_other(update, stored,
     operands)`` in other CPU programs (sharded, or for ``jax.export``; see
     :func:`single_device_or`) and ``other(update, stored, operands)`` on other platforms
-    (:func:`jax.lax.platform_dependent`). All return the new moments shaped like ``stored``,
+    (:func:`platform_dependent`). All return the new moments shaped like ``stored``,
     with ``return_old`` as ``(new, old)``. ``update``'s traced coefficients (e.g. from
     ``optax.inject_hyperparams``) are passed as arguments: the branches are lowered apart
     from the surrounding trace."""
@@ -432,9 +472,38 @@ def dispatch(
     def on_cpu(*args):
         return single_device_or(single, branch(cpu_other), *args, out_like=out_like)
 
-    return jax.lax.platform_dependent(
-        *stored, *operands, *dynamic, cpu=on_cpu, default=branch(other)
-    )
+    return platform_dependent(*stored, *operands, *dynamic, cpu=on_cpu, default=branch(other))
+
+
+def _eager_platform(args: tuple[Any, ...]) -> str | None:
+    """The platform an eager operation on ``args`` runs on, where JAX decides it from them:
+    that of the committed arrays (uncommitted ones follow them), when no argument is traced
+    and the committed ones are on one platform; else ``None``."""
+    leaves = jax.tree.leaves(args)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    platforms = {
+        d.platform for x in leaves if isinstance(x, jax.Array) and x.committed for d in x.devices()
+    }
+    return platforms.pop() if len(platforms) == 1 else None
+
+
+def platform_dependent(*args: Any, cpu: Any, default: Any) -> Any:
+    """``cpu(*args)`` on a CPU, ``default(*args)`` elsewhere, like
+    :func:`jax.lax.platform_dependent`, which this is under a trace (the choice is made when
+    the program is lowered for its platform).
+
+    Outside a trace :func:`jax.lax.platform_dependent` chooses by the *default* device, but an
+    eager operation runs where its committed arguments are: parameters put on a GPU while the
+    default device is a CPU (``jax.default_device``, ``JAX_PLATFORMS=cpu,cuda``) must not reach
+    the CPU kernel, nor parameters on a CPU device miss it on a GPU host. So eagerly the
+    committed arguments' platform decides, and the default device only where none is
+    committed.
+    """
+    platform = _eager_platform(args)
+    if platform is not None:
+        return (cpu if platform == "cpu" else default)(*args)
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
 
 
 # --- Choosing the kernel per compiled program -------------------------------------------------
@@ -508,18 +577,23 @@ def _dispatch_impl(*args, single, partitioned, out_avals):
     recompiled on every eager call, and under ``jax.disable_jit`` re-entered this rule
     without end.)"""
     del out_avals
+    # Uncommitted arrays (e.g. injected hyperparameters, created on the default device) go
+    # where the committed ones are, so only those count.
     devices = set()
     for a in args:
-        sharding = getattr(a, "sharding", None)
-        if sharding is not None:
-            devices |= set(sharding.device_set)
-    return (single if len(devices) <= 1 else partitioned)(*args)
+        if isinstance(a, jax.Array) and a.committed:
+            devices |= set(a.sharding.device_set)
+    on_one_cpu = len(devices) <= 1 and all(d.platform == "cpu" for d in devices)
+    return (single if on_one_cpu else partitioned)(*args)
 
 
 def _lowering_for_export(ctx: Any) -> bool:
-    """Whether ``ctx`` (a lowering rule's context) lowers a program for ``jax.export``."""
+    """Whether ``ctx`` (a lowering rule's context) lowers a program for ``jax.export`` or for
+    several platforms at once (``lower(lowering_platforms=...)``): a program that may be
+    compiled where the kernel is not registered."""
     params = getattr(ctx.module_context, "lowering_parameters", None)
-    return bool(getattr(params, "for_export", False))
+    platforms = getattr(ctx.module_context, "platforms", ())
+    return bool(getattr(params, "for_export", False)) or len(platforms) > 1
 
 
 def _dispatch_lowering(ctx, *args, single, partitioned, out_avals):

@@ -466,7 +466,8 @@ def requantize(
     to float rounding: the two are different XLA programs, which may round ``fn`` differently
     by one ulp (e.g. by contracting a multiply-add), so an element at a rounding boundary can
     get the neighbouring code (``tests/test_requantize.py`` bounds this). How it is computed
-    depends on the platform (:func:`jax.lax.platform_dependent`):
+    depends on the platform (:func:`optax_decoupled.cpu_kernel.platform_dependent`; eagerly,
+    that of the committed arrays):
 
     * **CPU, compiled kernel**: when ``fn`` is an
       :class:`~optax_decoupled.moment_updates.EmaMoments` (the updates of Adam, AMSGrad and
@@ -552,8 +553,10 @@ def requantize(
 
     if full <= chunk:
         return result(whole_with(fn, *stored, *operands))
+    from optax_decoupled import cpu_kernel  # imports this module
+
     return result(
-        jax.lax.platform_dependent(
+        cpu_kernel.platform_dependent(  # eagerly: by the arrays' platform, not the default's
             *stored,
             *operands,
             cpu=functools.partial(chunked_with, fn),

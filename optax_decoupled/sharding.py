@@ -43,11 +43,18 @@ def state_shardings(
     parameter on a mesh (else the sharding of the first parameter, or the default device
     when there are no parameters).
     """
-    # NumPy arrays and Python scalars (which tx.init accepts) have no sharding: like an
-    # uncommitted jax.Array they go on the default device, or replicated on the mesh.
-    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # NumPy arrays, Python scalars (which tx.init accepts) and uncommitted jax.Arrays go where
+    # jit puts them: on the device of the committed parameters, replicated on their mesh, or
+    # on the default device when none is committed.
+    committed = [
+        p.sharding for p in jax.tree.leaves(params) if isinstance(p, jax.Array) and p.committed
+    ]
+    default = next(
+        (s for s in committed if isinstance(s, jax.sharding.SingleDeviceSharding)),
+        jax.sharding.SingleDeviceSharding(_default_device()),
+    )
     param_shardings = jax.tree.map(
-        lambda p: p.sharding if isinstance(p, jax.Array) else default, params
+        lambda p: p.sharding if isinstance(p, jax.Array) and p.committed else default, params
     )
     if replicated is None:
         leaves = jax.tree.leaves(param_shardings)
@@ -92,6 +99,17 @@ def state_shardings(
             "package's transforms instead (mask=...), or call tx.init(params) and place the "
             f"state yourself. ({type(e).__name__}: {str(e).splitlines()[0]})"
         ) from e
+
+
+def _default_device() -> jax.Device:
+    """Where JAX puts an uncommitted array: ``jax.default_device``'s device, else this
+    process's first device of the default backend."""
+    device = jax.config.jax_default_device
+    if isinstance(device, jax.Device):
+        return device
+    if isinstance(device, str):  # a platform name
+        return jax.local_devices(backend=device)[0]
+    return jax.local_devices()[0]
 
 
 def jit_init(tx: optax.GradientTransformation, params: Any) -> Any:

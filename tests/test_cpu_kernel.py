@@ -80,6 +80,36 @@ def test_kernel_is_built():
     assert cpu_kernel.available(), cpu_kernel.unavailable_reason()
 
 
+def test_kernel_ffi_api_version_matches_the_running_jaxlib():
+    """The loader refuses a library compiled against a newer XLA FFI API than the running
+    jaxlib's (registering it would take the CPU backend down); the test command builds the
+    kernel against the installed jax, so the two versions are equal here."""
+    if NO_KERNEL:
+        pytest.skip("OPTAX_DECOUPLED_NO_KERNEL=1: no compiled kernel to read the version from")
+    import ctypes
+
+    assert cpu_kernel.available(), cpu_kernel.unavailable_reason()
+    lib = ctypes.CDLL(str(cpu_kernel._library_path()))
+    running = cpu_kernel._jaxlib_ffi_api_version()
+    assert running is not None, "the FFI header of the installed jaxlib could not be read"
+    assert cpu_kernel._ffi_api_version(lib) == running
+
+
+@pytest.mark.parametrize(
+    "built, running, ok",
+    [
+        ((0, 3), (0, 3), True),
+        ((0, 2), (0, 3), True),  # older minor: accepted by XLA
+        ((0, 4), (0, 3), False),  # newer minor: the CPU backend would fail to start
+        ((1, 0), (0, 9), False),
+        ((0, 1), (1, 1), False),
+        ((0, 9), None, True),  # header unreadable: assumed compatible
+    ],
+)
+def test_ffi_api_compatibility_rule(built, running, ok):
+    assert cpu_kernel.ffi_api_compatible(built, running) is ok
+
+
 # --- NumPy reference ----------------------------------------------------------------------
 
 
@@ -457,6 +487,24 @@ def test_exported_programs_use_the_loop(platforms):
         lp, ls = loop_step(lp, ls, grads)
     chex.assert_trees_all_equal(p, lp)
     chex.assert_trees_all_equal(s, ls)
+
+
+@needs_kernel
+@pytest.mark.parametrize("state_dtype", ["int8", "bfloat16"])
+def test_programs_lowered_for_several_platforms_use_the_loop(state_dtype):
+    """A step lowered for a GPU and the CPU at once (``lowering_platforms``) may be compiled
+    where the kernel is not registered: its CPU branch takes XLA's program, as for
+    jax.export; lowered for the CPU alone it calls the kernel."""
+    storage = BlockwiseInt8Storage(min_size=0) if state_dtype == "int8" else state_dtype
+    tx = od.adamw(1e-3, state_dtype=storage)
+    params = {"w": jnp.ones((64, 128), jnp.float32)}
+    traced = jax.jit(tx.update).trace(params, tx.init(params), params)
+    targets = (cpu_kernel.TARGET, cpu_kernel.BF16_TARGET)
+    cpu_only = traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert any(t in cpu_only for t in targets)
+    for platforms in [("cuda", "cpu"), ("cpu", "cuda")]:
+        text = traced.lower(lowering_platforms=platforms).as_text()
+        assert not any(t in text for t in targets), platforms
 
 
 def test_encoder_table_layout():

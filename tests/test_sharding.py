@@ -33,3 +33,11 @@ def test_every_state_leaf_has_its_parameters_sharding():
     assert len(results) == 2 * 4 * len(STATE_DTYPES) + 2
     failures = {case: problems for case, problems in results.items() if problems}
     assert not failures, failures
+
+
+def test_state_and_kernel_follow_parameters_off_the_default_device():
+    results = run_program("placement_check.py")
+    available = results.pop("kernel_available")
+    assert available or os.environ.get("OPTAX_DECOUPLED_NO_KERNEL") == "1"
+    failures = {check: problems for check, problems in results.items() if problems}
+    assert not failures, failures

@@ -904,6 +904,13 @@ ffi::Error EmaBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffe
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* OdRequantizeEma(
     XLA_FFI_CallFrame* call_frame);
 
+// The XLA FFI API version of the headers this library was compiled against, as
+// major * 1000 + minor: a jaxlib older than those headers refuses the handlers when its CPU
+// backend starts, which would take the whole backend down, so the loader checks first.
+extern "C" __attribute__((visibility("default"))) int OdFfiApiVersion() {
+  return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR;
+}
+
 extern "C" __attribute__((visibility("default"))) int OdUsesAvx512() {
   return CpuHasAvx512() ? 1 : 0;
 }

@@ -3,18 +3,27 @@
 A *mask* is resolved against the parameter pytree into a pytree of Python bools of the same
 structure (``True`` = decay this leaf). Accepted forms, everywhere a ``mask`` argument appears:
 
-* ``"auto"`` (the default): decay weight matrices only. A leaf is **not** decayed if any
-  component of its ``/``-joined key path
+* ``"auto"`` (the default): decay weight matrices only. A leaf is **not** decayed if its own
+  name (the last name in its ``/``-joined key path, list indices such as the ``0`` of
+  ``layers/0/kernel`` skipped)
 
   - names a bias (contains ``bias``, or is ``b``),
   - names a normalisation parameter (contains ``norm``, or is ``scale``, ``offset``, ``gamma``
     or ``beta``),
   - names an embedding (contains ``embed``),
   - is one of the selective-SSM parameters ``A_log``, ``D``, ``dt_bias`` (what ``mamba_ssm``
-    marks ``_no_weight_decay``);
+    marks ``_no_weight_decay``),
 
-  otherwise it is decayed iff it has ``ndim >= 2``. Name rules win over the ndim rule, so a 2-D
-  ``A_log`` or a scan-stacked bias of shape ``(layers, features)`` is still excluded.
+  or if the module holding it (the name before the leaf's) is a bias, normalisation layer or
+  embedding by one of the words of its name (split at ``_``, ``-``, ``.``, digits and
+  camelCase): a word is ``bias``, ends in ``norm`` or ``normalization`` (``LayerNorm_0``,
+  ``final_norm``, ``norm1``, ``input_layernorm``) or starts with ``embed`` (``embed_tokens``,
+  ``word_embeddings``): Equinox's ``embedding/weight`` or ``norm/weight``. Other modules'
+  names do not matter, so a module named ``D`` or ``b``, or a ``denormalizer``, is decayed as
+  any other; a wrapper such as ``PreNorm_0/Dense_0/kernel`` is decayed too.
+
+  Otherwise a leaf is decayed iff it has ``ndim >= 2``. Name rules win over the ndim rule, so a
+  2-D ``A_log`` or a scan-stacked bias of shape ``(layers, features)`` is still excluded.
 * ``None``: decay every leaf (what ``torch.optim`` does within a parameter group, and what
   ``optax.adamw(mask=None)`` does).
 * a pytree of bools with the parameters' structure (dicts, ``flax.nnx.State``, NamedTuples),
@@ -44,14 +53,16 @@ import optax
 
 MaskArg = Any  # "auto" | None | pytree of bools | Callable[[params], pytree] | DecayMask
 
-#: Path components (exact, case-sensitive) that ``"auto"`` never decays: Mamba's SSM parameters.
+#: Leaf names (exact, case-sensitive) that ``"auto"`` never decays: Mamba's SSM parameters.
 SSM_NO_DECAY_NAMES = frozenset({"A_log", "D", "dt_bias"})
-#: Path components (exact, case-insensitive) that ``"auto"`` never decays.
+#: Leaf names (exact, case-insensitive) that ``"auto"`` never decays.
 NO_DECAY_NAMES = frozenset({"b", "scale", "offset", "gamma", "beta"})
-#: Substrings of a path component (case-insensitive) that ``"auto"`` never decays.
+#: Substrings of a leaf name (case-insensitive) that ``"auto"`` never decays.
 NO_DECAY_SUBSTRINGS = ("bias", "norm", "embed")
 
 _VARIABLE_VALUE_ATTRS = ("value", "raw_value")
+# The words of a module name: "RMSNorm_0" -> RMS, Norm, 0; "embed_tokens" -> embed, tokens.
+_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
 def _key_name(key: Any) -> str:
@@ -78,29 +89,92 @@ def path_string(path: tuple[Any, ...]) -> str:
     return "/".join(path_components(path))
 
 
+def leaf_and_module_names(components: tuple[str, ...]) -> tuple[str, str]:
+    """The leaf's own name and its module's (``""`` where there is none): the last two
+    components that are names, not list indices (``layers/0/kernel`` -> ``kernel``,
+    ``layers``; ``norm/scale/1`` -> ``scale``, ``norm``)."""
+    names = [c for c in components if not c.isdigit()]
+    return (names[-1] if names else "", names[-2] if len(names) > 1 else "")
+
+
+def auto_no_decay_reason(components: tuple[str, ...]) -> str | None:
+    """Why the ``"auto"`` name rules exclude a leaf: its SSM name (``"A_log"``, ``"D"``,
+    ``"dt_bias"``), ``"norm"``, ``"bias"`` or ``"embedding"``; ``None`` if no name rule
+    applies (the ndim rule decides)."""
+    leaf, module = leaf_and_module_names(components)
+    if leaf in SSM_NO_DECAY_NAMES:
+        return leaf
+    lowered = leaf.lower()
+    words = [w.lower() for w in _WORDS.findall(module)]
+    if (
+        "norm" in lowered
+        or lowered in ("scale", "offset", "gamma", "beta")
+        or any(w.endswith(("norm", "normalization", "normalisation")) for w in words)
+    ):
+        return "norm"
+    if "bias" in lowered or lowered == "b" or any(w in ("bias", "biases") for w in words):
+        return "bias"
+    if "embed" in lowered or any(w.startswith("embed") for w in words):
+        return "embedding"
+    return None
+
+
 def auto_decays(components: tuple[str, ...], ndim: int) -> bool:
-    """The ``"auto"`` rule for one leaf: name rules first, then ``ndim >= 2``."""
-    for name in components:
-        lowered = name.lower()
-        if name in SSM_NO_DECAY_NAMES or lowered in NO_DECAY_NAMES:
-            return False
-        if any(s in lowered for s in NO_DECAY_SUBSTRINGS):
-            return False
-    return ndim >= 2
+    """The ``"auto"`` rule for one leaf: name rules first (the leaf's own name and its
+    module's, see the module docs), then ``ndim >= 2``."""
+    return auto_no_decay_reason(components) is None and ndim >= 2
+
+
+def _patterns(name: str, value: Any) -> tuple[str, ...]:
+    """``include``/``exclude`` as a tuple of valid regular expressions (one string: one
+    pattern; ``None``: none)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    else:
+        try:
+            if isinstance(value, bytes | bytearray):
+                raise TypeError
+            value = tuple(value)
+        except TypeError:
+            raise ValueError(
+                f"`{name}` patterns must be a string, a sequence of strings or None, got {value!r}."
+            ) from None
+    for p in value:
+        if not isinstance(p, str):
+            raise ValueError(f"`{name}` patterns must be strings, got {p!r}.")
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise ValueError(f"`{name}` pattern {p!r} is not a valid regex: {e}.") from e
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
 class DecayMask:
-    """Rules by key path; build it with :func:`decay_mask`.
+    """Rules by key path; build it with :func:`decay_mask` (constructing it directly takes the
+    same arguments and validates them the same way).
 
     A leaf is decayed iff no ``exclude`` pattern matches its path and either an ``include``
     pattern matches it or (no ``include`` patterns given) the ``default`` rule says so.
     Deliberately not callable, so ``optax.inject_hyperparams`` never mistakes it for a schedule.
+
+    Raises:
+      ValueError: if ``include`` or ``exclude`` is not a string, a sequence of strings or
+        ``None``, a pattern is not a valid regular expression, or ``default`` is unknown.
     """
 
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     default: str = "auto"
+
+    def __post_init__(self) -> None:
+        # Frozen: normalise the fields in place (a string is one pattern, not its characters).
+        object.__setattr__(self, "include", _patterns("include", self.include))
+        object.__setattr__(self, "exclude", _patterns("exclude", self.exclude))
+        if not isinstance(self.default, str) or self.default not in ("auto", "all"):
+            raise ValueError(f"`default` must be 'auto' or 'all', got {self.default!r}.")
 
     def decays(self, components: tuple[str, ...], ndim: int) -> bool:
         path = "/".join(components)
@@ -134,29 +208,16 @@ def decay_mask(
     Raises:
       ValueError: if a pattern is not a valid regular expression or ``default`` is unknown.
     """
-
-    def as_tuple(name: str, value: Any) -> tuple[str, ...]:
-        if value is None:
-            return ()
-        patterns = (value,) if isinstance(value, str) else tuple(value)
-        for p in patterns:
-            if not isinstance(p, str):
-                raise ValueError(f"`{name}` patterns must be strings, got {p!r}.")
-            try:
-                re.compile(p)
-            except re.error as e:
-                raise ValueError(f"`{name}` pattern {p!r} is not a valid regex: {e}.") from e
-        return patterns
-
-    if default not in ("auto", "all"):
-        raise ValueError(f"`default` must be 'auto' or 'all', got {default!r}.")
-    return DecayMask(as_tuple("include", include), as_tuple("exclude", exclude), default)
+    return DecayMask(include, exclude, default)
 
 
 def _is_bool_leaf(x: Any) -> bool:
+    """A Python or NumPy bool, or a concrete (not traced) scalar bool array."""
     if isinstance(x, bool | np.bool_):
         return True
-    return isinstance(x, np.ndarray) and x.shape == () and x.dtype == np.bool_
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, np.ndarray | jax.Array):
+        return False
+    return x.shape == () and x.dtype == np.bool_
 
 
 def _from_rule(rule: Callable[[tuple[str, ...], int], bool], params: Any) -> Any:
@@ -166,10 +227,35 @@ def _from_rule(rule: Callable[[tuple[str, ...], int], bool], params: Any) -> Any
 
 
 def _is_empty_node(x: Any) -> bool:
-    """A parameter-tree node without leaves where a mask may still hold an entry: ``None``
-    or ``optax.MaskedNode`` (what ``optax.masked`` and ``optax.multi_transform`` put in place
-    of the leaves another transform owns)."""
+    """A parameter-tree node without leaves, where a mask may still hold an entry: ``None``,
+    ``optax.MaskedNode`` (what ``optax.masked`` and ``optax.multi_transform`` put in place of
+    the leaves another transform owns), an empty container (``{}``, ``()``) or a subtree of
+    those."""
+    return not jax.tree_util.tree_leaves(x)
+
+
+def _empty_node_paths(params: Any) -> list[tuple[str, ...]]:
+    """The key paths of the parameters' nodes without leaves, nested ones included."""
+    paths: list[tuple[str, ...]] = []
+
+    def walk(prefix: tuple[str, ...], node: Any) -> None:
+        paths.append(prefix)
+        children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        for path, child in children:
+            walk(prefix + path_components(path), child)
+
+    for path, node in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_empty_node)[0]:
+        if _is_empty_node(node):
+            walk(path_components(path), node)
+    return paths
+
+
+def _is_none_entry(x: Any) -> bool:
     return x is None or isinstance(x, optax.MaskedNode)
+
+
+def _show(components: tuple[str, ...]) -> str:
+    return f"'{'/'.join(components)}'" if components else "the root"
 
 
 def _match_tree(mask_tree: Any, params: Any, argument: str) -> Any:
@@ -178,7 +264,7 @@ def _match_tree(mask_tree: Any, params: Any, argument: str) -> Any:
     As in Optax, the mask may be a *prefix* of the parameter tree: an entry whose key path is
     a parameter's or one of its ancestors' applies to every leaf below it (``{"enc": True,
     "head": False}`` for ``{"enc": {...}, "head": {...}}``). Entries where the parameters have
-    no leaves (``None``, ``optax.MaskedNode``) are ignored, as Optax ignores them."""
+    no leaves (``None``, ``optax.MaskedNode``, ``{}``) are ignored, as Optax ignores them."""
     p_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     m_leaves, m_treedef = jax.tree_util.tree_flatten_with_path(mask_tree)
     if m_treedef.num_nodes == m_treedef.num_leaves == 1 and treedef.num_nodes > 1 and p_leaves:
@@ -199,6 +285,13 @@ def _match_tree(mask_tree: Any, params: Any, argument: str) -> Any:
                 "time)."
             )
         by_path[components] = bool(leaf)
+    # None (or optax.MaskedNode) in the mask is a node without entries, not a leaf: named if
+    # it stands where the parameters have leaves.
+    nones = [
+        path_components(path)
+        for path, node in jax.tree_util.tree_flatten_with_path(mask_tree, is_leaf=_is_none_entry)[0]
+        if _is_none_entry(node)
+    ]
     flags, used = [], set()
     for path, _ in p_leaves:
         components = path_components(path)
@@ -209,15 +302,24 @@ def _match_tree(mask_tree: Any, params: Any, argument: str) -> Any:
             None,
         )
         if entry is None:
+            none = next((n for n in nones if components[: len(n)] == n), None)
+            if none is not None:
+                raise ValueError(
+                    f"`{argument}` does not match the parameters: the mask has None at "
+                    f"{_show(none)}, where the parameters have leaves ('{'/'.join(components)}'"
+                    "); give a bool there (True: decay the whole subtree) or one per leaf."
+                )
+            shown = [repr(k) for k in sorted("/".join(k) for k in by_path)]
+            if len(shown) > 8:
+                shown[8:] = ["..."]
             raise ValueError(
                 f"`{argument}` does not match the parameters: '{'/'.join(components)}' is a "
                 "parameter but has no entry in the mask, neither at its path nor at an "
-                f"ancestor's (mask paths: {sorted('/'.join(k) for k in by_path)[:8]}...)."
+                f"ancestor's (mask paths: {', '.join(shown) or 'none'})."
             )
         used.add(entry)
         flags.append(by_path[entry])
-    empty, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_empty_node)
-    empty_paths = [path_components(p) for p, node in empty if _is_empty_node(node)]
+    empty_paths = _empty_node_paths(params)
     for path, _ in m_leaves:
         key = path_components(path)
         if key in used or any(e[: len(key)] == key for e in empty_paths):

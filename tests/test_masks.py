@@ -110,7 +110,7 @@ def test_mismatched_mask_names_the_first_missing_path():
     with pytest.raises(ValueError, match="'enc/extra'.*not a parameter"):
         od.resolve_mask({"enc": {"kernel": True, "bias": False, "extra": True}}, params)
     with pytest.raises(ValueError, match="'enc/kernel' must be a Python bool"):
-        od.resolve_mask({"enc": {"kernel": jnp.array(True), "bias": False}}, params)
+        od.resolve_mask({"enc": {"kernel": jnp.array([True]), "bias": False}}, params)
     # The same errors surface from a transform's init.
     tx = od.adamw(1e-3, mask={"enc": {"kernel": True}})
     with pytest.raises(ValueError, match="'enc/bias'"):
@@ -302,3 +302,144 @@ def test_auto_mask_that_decays_nothing_is_warned_about():
             warnings.simplefilter("always")
             init()
         assert not [w for w in seen if "decays none" in str(w.message)]
+
+
+def test_auto_name_rules_look_at_the_leaf_and_the_module_holding_it():
+    """Exact names (``D``, ``b``, ``beta``, ``scale``, ...) are the leaf's own name only, so a
+    module named ``D`` (a GAN's discriminator) or ``b`` is decayed; a module excludes its leaves
+    only by a whole word of its name (``norm``, ``embed...``, ``bias``), and only the module
+    holding the leaf: ``denormalizer`` or a ``PreNorm_0`` wrapper do not."""
+    z = jnp.zeros
+    params = {
+        "G": {"Dense_0": {"kernel": z((4, 4)), "bias": z((4,))}},
+        "D": {"Dense_0": {"kernel": z((4, 4)), "bias": z((4,))}},
+        "b": {"w": z((4, 4))},
+        "beta_vae_encoder": {"kernel": z((4, 4))},
+        "scale_net": {"kernel": z((4, 4))},
+        "denormalizer": {"kernel": z((4, 4))},
+        "abnormal_head": {"kernel": z((4, 4))},
+        "lm_head_unembed": {"kernel": z((4, 4))},
+        "PreNorm_0": {"Dense_0": {"kernel": z((4, 4))}, "LayerNorm_0": {"scale": z((4,))}},
+        # Still excluded: by the leaf's own name, also behind list indices ...
+        "ssm": {"D": [z((3, 2)), z((3, 2))], "A_log": z((3, 2))},
+        "gain": {"scale": z((3, 4))},
+        # ... and by the module holding it (Equinox / PyTorch-style names, scan-stacked).
+        "embedding": {"weight": z((10, 4))},
+        "embed_tokens": {"weight": z((10, 4))},
+        "word_embeddings": {"weight": z((10, 4))},
+        "layers": [{"norm": {"weight": z((3, 4))}, "input_layernorm": {"weight": z((3, 4))}}],
+        "norm1": {"weight": z((3, 4))},
+        "RMSNorm_0": {"weight": z((3, 4))},
+        "relative_attention_bias": {"weight": z((32, 4))},
+    }
+    got = flat(od.resolve_mask("auto", params))
+    assert sorted(k for k, v in got.items() if v) == [
+        "D/Dense_0/kernel", "G/Dense_0/kernel", "PreNorm_0/Dense_0/kernel",
+        "abnormal_head/kernel", "b/w", "beta_vae_encoder/kernel", "denormalizer/kernel",
+        "lm_head_unembed/kernel", "scale_net/kernel",
+    ]  # fmt: skip
+    assert od.resolve_mask("auto", params) == od.resolve_mask(od.DecayMask(), params)
+    assert masks.auto_no_decay_reason(("D", "Dense_0", "bias")) == "bias"
+    assert masks.auto_no_decay_reason(("mixer", "D")) == "D"
+    assert masks.auto_no_decay_reason(("D", "Dense_0", "kernel")) is None
+
+
+def test_auto_mask_of_an_nnx_model_with_a_module_named_d():
+    """nnx paths end in the variable's ``value``; the leaf's name is the one before it."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class GAN(nnx.Module):
+        def __init__(self, rngs):
+            self.G = nnx.Linear(2, 3, rngs=rngs)
+            self.D = nnx.Linear(3, 1, rngs=rngs)
+            self.b = nnx.List([nnx.Linear(3, 3, rngs=rngs)])
+
+    model = GAN(nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    resolved = od.resolve_mask("auto", state)
+    flags = {masks.path_string(p): v for p, v in jax.tree_util.tree_leaves_with_path(resolved)}
+    assert sorted(k for k, v in flags.items() if v) == ["D/kernel", "G/kernel", "b/0/kernel"]
+    before = np.asarray(model.D.kernel[...])
+    opt = nnx.Optimizer(model, od.adamw(0.1, weight_decay=0.5), wrt=nnx.Param)
+    opt.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
+    np.testing.assert_allclose(np.asarray(model.D.kernel[...]), before * 0.95, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"include": ("(",)}, "`include` pattern '\\(' is not a valid regex"),
+        ({"exclude": ["a", 3]}, "`exclude` patterns must be strings, got 3"),
+        ({"include": b"kernel"}, "`include` patterns must be a string, a sequence"),
+        ({"exclude": 5}, "`exclude` patterns must be a string, a sequence"),
+        ({"default": "none"}, "`default` must be 'auto' or 'all', got 'none'"),
+        ({"default": None}, "`default` must be 'auto' or 'all', got None"),
+    ],
+)
+def test_decay_mask_validates_when_constructed_directly(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        od.DecayMask(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        od.decay_mask(**kwargs)
+
+
+def test_decay_mask_constructed_directly_takes_a_string_as_one_pattern():
+    params = {
+        "enc": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)},
+        "head": {"w": jnp.ones((2, 2))},
+    }
+    assert od.DecayMask(include="kernel") == od.decay_mask(include="kernel")
+    assert od.DecayMask(include="kernel").include == ("kernel",)
+    assert od.DecayMask(exclude=["head"]).exclude == ("head",)
+    assert flat(od.resolve_mask(od.DecayMask(include="kernel"), params)) == {
+        "enc/bias": False, "enc/kernel": True, "head/w": False,
+    }  # fmt: skip
+    assert flat(od.resolve_mask(od.DecayMask(exclude="head"), params)) == {
+        "enc/bias": False, "enc/kernel": True, "head/w": False,
+    }  # fmt: skip
+    assert hash(od.DecayMask(include="kernel")) == hash(od.DecayMask(include=["kernel"]))
+
+
+def test_mask_entries_over_empty_parameter_subtrees_are_ignored():
+    """A parameter subtree without leaves (``{}``, ``()``, nested) takes any mask entry, as in
+    Optax; the same entry where the parameters have no node is still an error."""
+    params = {"a": jnp.ones((2, 2)), "empty": {}, "nested": {"x": {}, "y": ()}}
+    mask = {"a": True, "empty": True, "nested": {"x": False, "y": True}}
+    assert od.resolve_mask(mask, params) == {"a": True, "empty": {}, "nested": {"x": {}, "y": ()}}
+    assert od.resolve_mask({"a": True, "empty": True, "nested": True}, params)["a"] is True
+    tx, ref = (
+        od.adamw(1e-3, weight_decay=0.1, mask=mask),
+        optax.adamw(1e-3, weight_decay=0.1, mask=mask),
+    )
+    got, _ = tx.update(params, tx.init(params), params)
+    want, _ = ref.update(params, ref.init(params), params)
+    np.testing.assert_allclose(got["a"], want["a"], rtol=1e-6)
+    with pytest.raises(ValueError, match="entry at 'empty/x'.*not a parameter or a node"):
+        od.resolve_mask({"a": True, "empty": {"x": True}}, params)
+
+
+def test_mask_errors_name_a_none_entry_and_list_the_mask_paths():
+    params = {"enc": {"kernel": jnp.zeros((2, 2)), "bias": jnp.zeros((2,))}, "head": jnp.ones(2)}
+    with pytest.raises(ValueError, match="the mask has None at 'enc', where the parameters"):
+        od.resolve_mask({"enc": None, "head": True}, params)
+    with pytest.raises(ValueError, match="None at 'enc/bias'"):
+        od.resolve_mask({"enc": {"kernel": True, "bias": None}, "head": True}, params)
+    with pytest.raises(ValueError, match=r"\(mask paths: 'enc/kernel'\)\.$"):
+        od.resolve_mask({"enc": {"kernel": True}}, params)
+    many = {f"k{i}": jnp.ones(2) for i in range(10)}
+    with pytest.raises(ValueError, match=r"'k0', 'k1', .*'k7', \.\.\.\)\.$"):
+        od.resolve_mask({f"k{i}": True for i in range(9)}, many)
+
+
+def test_concrete_jax_bool_scalars_are_mask_leaves_traced_ones_are_not():
+    params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+    got = od.resolve_mask({"w": jnp.array(True), "b": jnp.bool_(False)}, params)
+    assert got == {"w": True, "b": False} and all(type(v) is bool for v in got.values())
+
+    @jax.jit
+    def traced(flag):
+        with pytest.raises(ValueError, match="'w' must be a Python bool"):
+            od.resolve_mask({"w": flag, "b": False}, params)
+        return flag
+
+    traced(jnp.array(True))

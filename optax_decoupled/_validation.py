@@ -2,8 +2,14 @@
 
 Only *concrete* values are checked: Python and NumPy numbers and arrays, and JAX arrays that
 are not traced (every element of an array). Traced values (inside ``jit``, ``vmap`` or a
-jitted ``optax.inject_hyperparams`` update) and schedules pass through untouched, so
-hyperparameters can still be injected and batched.
+jitted ``optax.inject_hyperparams`` update) pass through untouched, so hyperparameters can
+still be injected and batched.
+
+A schedule is checked through its values: the transforms run the same check on what it
+returns at each step (:func:`check_schedule_value`). In an eager ``update`` that value is
+concrete, so e.g. a learning-rate schedule that goes negative raises a ``ValueError`` at the
+first such step; under ``jit`` it is traced (it depends on the traced step count) and is
+**not** checked, as for any traced value.
 """
 
 from __future__ import annotations
@@ -87,6 +93,25 @@ def check_positive(name: str, value: Any) -> None:
         _fail(name, value, "be a finite number > 0")
 
 
+def check_schedule_value(name: str, value: Any, count: Any, check=check_non_negative) -> None:
+    """Runs ``check`` on ``value``, what the schedule given as ``name`` returned at step
+    ``count``; the message names the argument and says that its schedule gave the value (and
+    at which step, when ``count`` is concrete). Traced values pass, as everywhere, so under
+    ``jit`` a schedule's values are not checked. A callable value is refused (it would fail
+    later, in arithmetic)."""
+    if _is_schedule(value):
+        raise ValueError(f"`{name}` is a schedule that returned a callable, {value!r}.")
+    try:
+        check(name, value)
+    except ValueError as err:
+        try:
+            at = f" at step {int(np.asarray(count))}"
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+            at = ""
+        message = str(err).removesuffix(".")
+        raise ValueError(f"{message} from its schedule{at}.") from None
+
+
 def check_not_schedule(name: str, value: Any) -> None:
     """Raises ``ValueError`` for a schedule where only numbers and arrays are accepted."""
     if _is_schedule(value):
@@ -114,9 +139,11 @@ def check_beta(name: str, value: Any) -> None:
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
-    """Raises ``ValueError`` if ``value`` is not one of ``choices``."""
+    """Raises ``ValueError`` if ``value`` is not one of ``choices`` (strings, and ``None``
+    where it is one). Anything else, e.g. a bool or a NumPy array of strings, is refused
+    before it is compared (an array would compare element-wise)."""
     choices = tuple(choices)
-    if value not in choices:
+    if not (value is None or isinstance(value, str)) or value not in choices:
         raise ValueError(f"`{name}` must be one of {choices!r}, got {value!r}.")
 
 

@@ -23,6 +23,12 @@ shape without changing it), and the learning rate and the weight decay also an `
 schedule (a function of the step count); all aliases work inside
 ``optax.inject_hyperparams`` (learning rate and weight decay can be injected and
 ``jax.vmap``-ed), ``optax.MultiSteps``, ``optax.apply_if_finite`` and ``optax.chain``.
+
+Concrete hyperparameters are checked when the alias is called (a ``ValueError`` naming the
+argument). A schedule's values are checked at each step, like a number, where they are
+concrete: in an eager ``update`` (``od.adamw(lambda count: -1e-3)`` raises there instead of
+ascending the gradient). Under ``jax.jit`` the step count, hence the schedule's value, is traced
+and **not checked**, as for any traced hyperparameter.
 """
 
 from __future__ import annotations
@@ -48,8 +54,19 @@ def _scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.Grad
     """``optax.scale_by_learning_rate`` (same state), with a ``ValueError`` where the learning
     rate's shape would change an update's by broadcasting: checked up front for an array
     (:func:`~optax_decoupled.transforms.check_hyperparameter_shapes`), on the scaled updates
-    for a schedule (not called twice, nor traced where the update runs eagerly)."""
-    inner = optax.scale_by_learning_rate(learning_rate)
+    for a schedule (not called twice, nor traced where the update runs eagerly). A schedule's
+    value is checked (>= 0, finite) where it is concrete, i.e. in an eager update."""
+    if callable(learning_rate):
+        schedule = learning_rate
+
+        def checked(count):
+            value = schedule(count)
+            V.check_schedule_value("learning_rate", value, count)
+            return value
+
+        inner = optax.scale_by_learning_rate(checked)
+    else:
+        inner = optax.scale_by_learning_rate(learning_rate)
 
     def update_fn(updates, state, params=None):
         if not callable(learning_rate):
@@ -155,7 +172,9 @@ def adamw(
       amsgrad: ``None`` or an AMSGrad convention (``"pytorch"``, ``"optax"``, ``"paper"``).
       decay_convention: ``"lr"``, ``"schedule"``, ``"constant"`` or ``"corrected"``.
       peak_learning_rate: :math:`\eta_{peak}` for ``"schedule"``/``"corrected"`` with a
-        scheduled or injected learning rate.
+        scheduled or injected learning rate. ``"lr"`` and ``"constant"`` ignore it; a value
+        given there is still checked (> 0, finite) but changes nothing, so one set of
+        arguments can be swept over every convention.
       mask: which leaves are decayed (default ``"auto"``).
       state_dtype: storage of the moments (:mod:`optax_decoupled.storage`).
     """
@@ -201,6 +220,28 @@ def amsgrad(
     ``weight_decay`` is decoupled (:func:`adamw`) unless ``coupled=True`` (:func:`adam_l2`).
     With ``variant="optax"``, ``weight_decay=0`` and ``mask=None`` this equals
     ``optax.amsgrad``.
+
+    Args:
+      learning_rate: :math:`\eta_t \ge 0`, float, array or schedule.
+      b1, b2, eps, eps_root: see :func:`~optax_decoupled.scale_by_adam`.
+      variant: where the running maximum of :math:`\nu` is taken: ``"pytorch"`` (default;
+        max of the raw :math:`\nu_t`, then bias correction), ``"optax"`` (max of the
+        bias-corrected :math:`\hat\nu_t`) or ``"paper"`` (max of the raw :math:`\nu_t`, no
+        bias correction of either moment). ``None`` is refused: use :func:`adamw` or
+        :func:`adam_l2` for plain Adam.
+      weight_decay: :math:`\lambda \ge 0` (float, array or schedule); default 0.
+      coupled: a bool. ``False`` (default): decoupled decay after the learning rate, as
+        :func:`adamw`; ``True``: coupled L2 added to the gradient before the adaptive scaling,
+        as :func:`adam_l2` (``torch.optim.Adam(weight_decay=λ, amsgrad=True)`` with
+        ``variant="pytorch"``).
+      decay_convention: the decoupled decay's :math:`s_t`: ``"lr"`` (default),
+        ``"schedule"``, ``"constant"`` or ``"corrected"`` (see :func:`adamw`). Only
+        ``"lr"`` with ``coupled=True``, which has no convention.
+      peak_learning_rate: :math:`\eta_{peak}` for ``"schedule"``/``"corrected"`` with a
+        scheduled or injected learning rate; ignored (but checked) by ``"lr"`` and
+        ``"constant"``; must be ``None`` with ``coupled=True``.
+      mask: which leaves are decayed or regularised (default ``"auto"``).
+      state_dtype: storage of the moments (:mod:`optax_decoupled.storage`).
     """
     V.check_choice("variant", variant, ("pytorch", "optax", "paper"))
     if not isinstance(coupled, bool):
@@ -259,6 +300,22 @@ def lion(
     Rules of thumb from the paper: a learning rate 3-10x smaller than AdamW's and a weight
     decay 3-10x larger, so that :math:`\eta\lambda` stays similar. With ``mask=None`` and
     ``decay_convention="lr"`` this is ``optax.lion`` (to float rounding).
+
+    Args:
+      learning_rate: :math:`\eta_t \ge 0`, float, array or schedule.
+      b1: :math:`\beta_1 \in [0, 1)`, the interpolation rate used for the sign update
+        (:math:`\operatorname{sign}(\beta_1\mu_{t-1} + (1-\beta_1)g_t)`), as in Chen et al.
+        (2023), Alg. 2, and ``optax.lion``.
+      b2: :math:`\beta_2 \in [0, 1)`, the decay rate of the momentum
+        :math:`\mu_t = \beta_2\mu_{t-1} + (1-\beta_2)g_t`, updated after the sign is taken.
+      weight_decay: :math:`\lambda \ge 0` (float, array or schedule), decoupled.
+      decay_convention: ``"lr"``, ``"schedule"``, ``"constant"`` or ``"corrected"`` (see
+        :func:`adamw`).
+      peak_learning_rate: :math:`\eta_{peak}` for ``"schedule"``/``"corrected"`` with a
+        scheduled or injected learning rate; ignored (but checked) by ``"lr"`` and
+        ``"constant"``.
+      mask: which leaves are decayed (default ``"auto"``).
+      state_dtype: storage of the momentum (:mod:`optax_decoupled.storage`).
     """
     _check_lr(learning_rate)
     V.check_choice("decay_convention", decay_convention, transforms.DECAY_CONVENTIONS)

@@ -21,10 +21,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optax_decoupled import _validation as V
 from optax_decoupled import masks as masks_lib
 from optax_decoupled import storage as storage_lib
 from optax_decoupled.quantization import QuantizedArray, restore_quantized
-from optax_decoupled.transforms import ScaleByAdamState, decay_rate
+from optax_decoupled.transforms import (
+    AMSGRAD_VARIANTS,
+    DECAY_CONVENTIONS,
+    ScaleByAdamState,
+    decay_rate,
+)
 
 
 def find_adam_state(opt_state: Any) -> ScaleByAdamState:
@@ -70,7 +76,46 @@ def effective_decay(
     ``"schedule"`` and ``"corrected"`` conventions pass the run's ``peak_learning_rate``
     when it used a schedule: without it :math:`\eta_t` is taken as its own peak, as for a
     constant learning rate (the transform itself refuses a schedule without the peak).
+    ``"lr"`` and ``"constant"`` ignore ``peak_learning_rate`` (a given one is still checked).
+
+    ``amsgrad`` must name the convention of the optimizer that produced ``opt_state``: with
+    ``coupled=True`` a state that holds AMSGrad's running maximum (``nu_max``) read with
+    ``amsgrad=None``, or a plain Adam state read with an AMSGrad convention, is a
+    ``ValueError`` (the variant cannot be read off the state, and reading ``nu`` instead of
+    ``nu_max`` would give other numbers). ``coupled=False`` does not read the state.
+
+    Raises:
+      ValueError: for invalid hyperparameters, checked as the transforms check them
+        (``learning_rate``, ``weight_decay``, ``eps``, ``eps_root`` :math:`\ge 0`,
+        ``peak_learning_rate`` > 0, ``b2`` in [0, 1), all finite; ``coupled`` a bool;
+        ``amsgrad`` and ``convention`` one of their choices; values at one step, not
+        schedules), for an ``amsgrad`` that does not match the state, and for a state without
+        a :class:`~optax_decoupled.ScaleByAdamState` or whose moments do not match ``params``
+        (``coupled=True``).
     """
+    if not isinstance(coupled, bool):
+        raise ValueError(f"`coupled` must be a bool, got {coupled!r}.")
+    V.check_choice("amsgrad", amsgrad, AMSGRAD_VARIANTS)
+    V.check_choice("convention", convention, DECAY_CONVENTIONS)
+    values = {
+        "learning_rate": learning_rate,
+        "weight_decay": weight_decay,
+        "b2": b2,
+        "eps": eps,
+        "eps_root": eps_root,
+        "peak_learning_rate": peak_learning_rate,
+    }
+    for name, value in values.items():
+        if callable(value):
+            raise ValueError(
+                f"`{name}` must be a number or an array, not a schedule: effective_decay "
+                "reads one step; pass the schedule's value at that step."
+            )
+    for name in ("learning_rate", "weight_decay", "eps", "eps_root"):
+        V.check_non_negative(name, values[name])
+    V.check_beta("b2", b2)
+    if peak_learning_rate is not None:  # checked even where the convention ignores it
+        V.check_positive("peak_learning_rate", peak_learning_rate)
     decays = masks_lib.resolve_mask(mask, params)
     if not coupled:
         s = decay_rate(weight_decay, convention, learning_rate, peak_learning_rate)
@@ -78,6 +123,17 @@ def effective_decay(
             lambda p, m: jnp.full(jnp.shape(p), s if m else 0.0, jnp.float32), params, decays
         )
     adam = find_adam_state(opt_state)
+    if adam.nu_max is not None and amsgrad is None:
+        raise ValueError(
+            "effective_decay: the optimizer state holds AMSGrad's running maximum (nu_max), "
+            "but `amsgrad` is None; pass the optimizer's AMSGrad convention "
+            f"({', '.join(repr(v) for v in AMSGRAD_VARIANTS if v is not None)})."
+        )
+    if adam.nu_max is None and amsgrad is not None:
+        raise ValueError(
+            f"effective_decay: `amsgrad` is {amsgrad!r} but the optimizer state is plain Adam "
+            "(it holds no AMSGrad maximum nu_max); pass amsgrad=None."
+        )
     store = storage_lib.resolve_storage(state_dtype)
     # Leaves, not trees: under flax.nnx the parameters are Param variables and the state's
     # moments OptState variables, which jax.tree.map cannot pair.
@@ -113,20 +169,13 @@ def effective_decay(
 
 
 def group_of(components: tuple[str, ...], ndim: int) -> str:
-    """The diagnostic group of a leaf: ``decayed`` (the ``"auto"`` rule) or why it is not."""
-    if masks_lib.auto_decays(components, ndim):
-        return "decayed"
-    for name in reversed(components):
-        if name in masks_lib.SSM_NO_DECAY_NAMES:
-            return name
-    lowered = [c.lower() for c in components]
-    if any("norm" in c or c in ("scale", "gamma", "beta", "offset") for c in lowered):
-        return "norm"
-    if any("bias" in c or c == "b" for c in lowered):
-        return "bias"
-    if any("embed" in c for c in lowered):
-        return "embedding"
-    return "other (ndim < 2)"
+    """The diagnostic group of a leaf: ``decayed`` (the ``"auto"`` rule) or why it is not
+    (the name rule that excludes it, see :func:`~optax_decoupled.masks.auto_no_decay_reason`,
+    or ``other (ndim < 2)``)."""
+    reason = masks_lib.auto_no_decay_reason(components)
+    if reason is not None:
+        return reason
+    return "decayed" if ndim >= 2 else "other (ndim < 2)"
 
 
 def group_norms(params: Any) -> dict[str, jax.Array]:

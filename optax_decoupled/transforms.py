@@ -13,7 +13,9 @@ chain), so every decayed element shrinks by the same factor (Loshchilov & Hutter
 Steps are counted from :math:`t = 0` in ``state.count`` (as Optax does); bias corrections use
 :math:`t + 1`. Schedules are evaluated at ``count``, the same step index Optax's
 ``scale_by_learning_rate`` uses, so a decay transform and the learning-rate scaling in one chain
-always see the same :math:`\eta_t`.
+always see the same :math:`\eta_t`. A schedule's value is checked like a number (a learning
+rate or weight decay :math:`\ge 0`, finite) when it is concrete, i.e. in an eager ``update``;
+under ``jit`` it is traced and used unchecked (see :mod:`optax_decoupled._validation`).
 """
 
 from __future__ import annotations
@@ -38,9 +40,15 @@ DECAY_CONVENTIONS = ("lr", "schedule", "constant", "corrected")
 AMSGRAD_VARIANTS = (None, "pytorch", "optax", "paper")
 
 
-def _at(value: Any, count: jax.Array) -> Any:
-    """A hyperparameter's value at step ``count`` (schedules are called, others returned)."""
-    return value(count) if callable(value) else value
+def _at(name: str, value: Any, count: jax.Array) -> Any:
+    """The hyperparameter ``name``'s value at step ``count``: a schedule is called and its value
+    checked like a number (>= 0 and finite; concrete values only, so not under ``jit``), any
+    other value is returned as given (it was checked when the transform was built)."""
+    if not callable(value):
+        return value
+    value_t = value(count)
+    V.check_schedule_value(name, value_t, count)
+    return value_t
 
 
 def _check_hyperparam(name: str, value: Any, check=V.check_non_negative) -> None:
@@ -170,7 +178,8 @@ def add_l2_gradient(
     ``"auto"`` mask, schedule support through its own step count, and argument checks.
 
     Args:
-      weight_decay: :math:`\lambda \ge 0`, a float, an array or a schedule of the step count.
+      weight_decay: :math:`\lambda \ge 0`, a float, an array or a schedule of the step count
+        (whose values are checked in an eager ``update``, not under ``jit``).
       mask: which leaves are regularised; see :mod:`optax_decoupled.masks`.
 
     Returns:
@@ -190,7 +199,7 @@ def add_l2_gradient(
         V.check_update_dtypes(updates, "add_l2_gradient")
         _require_params(params, "add_l2_gradient")
         _check_shapes(updates, params, "add_l2_gradient", "parameter")
-        wd = _at(weight_decay, state.count)
+        wd = _at("weight_decay", weight_decay, state.count)
         decays = masks_lib.resolve_mask(mask, params)
         check_hyperparameter_shapes(
             "add_l2_gradient", {"weight_decay": wd}, _decayed(updates, decays)
@@ -229,18 +238,58 @@ def decay_rate(
     ``"constant"``: :math:`\lambda`; ``"corrected"``: :math:`\lambda\eta_t^2/\eta_{peak}`.
     ``peak_learning_rate=None`` means a constant learning rate, its own peak
     (:math:`\eta_t/\eta_{peak} = 1` exactly, also for :math:`\eta = 0`).
+
+    Args:
+      weight_decay: :math:`\lambda \ge 0` at step ``t`` (a number or an array, not a
+        schedule: call it with the step count first).
+      convention: ``"lr"``, ``"schedule"``, ``"constant"`` or ``"corrected"``.
+      learning_rate: :math:`\eta_t \ge 0`; may be ``None`` for ``"constant"`` only.
+      peak_learning_rate: :math:`\eta_{peak} > 0`, or ``None``; checked even where the
+        convention ignores it, as by :func:`decoupled_weight_decay`.
+
+    Raises:
+      ValueError: for an unknown ``convention``, a schedule, a negative or non-finite
+        ``weight_decay`` or ``learning_rate``, a missing ``learning_rate``, or a
+        ``peak_learning_rate`` that is not a finite number > 0 (concrete values only: traced
+        ones are used as given).
     """
-    ratio = 1.0 if peak_learning_rate is None else None
+    V.check_choice("convention", convention, DECAY_CONVENTIONS)
+    values = (
+        ("weight_decay", weight_decay),
+        ("learning_rate", learning_rate),
+        ("peak_learning_rate", peak_learning_rate),
+    )
+    for name, value in values:
+        if callable(value):
+            raise ValueError(
+                f"`{name}` must be its value at step t (a number or an array), not a schedule: "
+                "call the schedule with the step count."
+            )
+    V.check_non_negative("weight_decay", weight_decay)
+    if learning_rate is not None:
+        V.check_non_negative("learning_rate", learning_rate)
+    elif convention != "constant":
+        raise ValueError(
+            f"convention={convention!r} needs `learning_rate` (η_t); only 'constant' ignores it."
+        )
+    if peak_learning_rate is not None:
+        V.check_positive("peak_learning_rate", peak_learning_rate)
+    return _decay_rate(weight_decay, convention, learning_rate, peak_learning_rate)
+
+
+def _decay_rate(weight_decay: Any, convention: str, learning_rate: Any, peak: Any) -> Any:
+    """:func:`decay_rate` without the argument checks (for values already checked)."""
+    ratio = 1.0 if peak is None else None
     if convention == "lr":
         return weight_decay * learning_rate
     if convention == "schedule":
-        return weight_decay * (ratio if ratio is not None else learning_rate / peak_learning_rate)
+        return weight_decay * (ratio if ratio is not None else learning_rate / peak)
     if convention == "constant":
         return weight_decay
     if convention == "corrected":
         if ratio is not None:
             return weight_decay * learning_rate
-        return weight_decay * (learning_rate * learning_rate / peak_learning_rate)
+        return weight_decay * (learning_rate * learning_rate / peak)
     raise ValueError(f"`convention` must be one of {DECAY_CONVENTIONS!r}, got {convention!r}.")
 
 
@@ -301,11 +350,15 @@ def decoupled_weight_decay(
         uses; required by every convention but ``"constant"``.
       peak_learning_rate: :math:`\eta_{peak}` for ``"schedule"``/``"corrected"``; may be omitted
         only when ``learning_rate`` is a constant Python or NumPy number (then it is its own peak).
+        ``"lr"`` and ``"constant"`` ignore it, but a given value is still checked (> 0, finite),
+        so one set of arguments can be passed to every convention.
       mask: which leaves are decayed; see :mod:`optax_decoupled.masks`.
 
     Raises:
       ValueError: for a negative ``weight_decay``, an unknown ``convention``, a missing
-        ``learning_rate``, or a missing/non-positive ``peak_learning_rate`` where needed.
+        ``learning_rate``, or a missing/non-positive ``peak_learning_rate`` where needed; in
+        ``update``, for a schedule whose concrete value at the step is negative or not finite
+        (under ``jit`` schedule values are traced and not checked).
     """
     V.check_choice("convention", convention, DECAY_CONVENTIONS)
     _check_hyperparam("weight_decay", weight_decay)
@@ -332,15 +385,17 @@ def decoupled_weight_decay(
         V.check_update_dtypes(updates, "decoupled_weight_decay")
         _require_params(params, "decoupled_weight_decay")
         _check_shapes(updates, params, "decoupled_weight_decay", "parameter")
-        lr_t = None if convention == "constant" else _at(learning_rate, state.count)
-        wd_t = _at(weight_decay, state.count)
+        lr_t = (
+            None if convention == "constant" else _at("learning_rate", learning_rate, state.count)
+        )
+        wd_t = _at("weight_decay", weight_decay, state.count)
         decays = masks_lib.resolve_mask(mask, params)
         check_hyperparameter_shapes(
             "decoupled_weight_decay",
             {"weight_decay": wd_t, "learning_rate": lr_t, "peak_learning_rate": peak},
             _decayed(updates, decays),
         )
-        s = decay_rate(wd_t, convention, lr_t, peak)
+        s = _decay_rate(wd_t, convention, lr_t, peak)  # the values are checked: _at, _resolve_peak
         updates = jax.tree.map(
             lambda u, p, m: (u - s * p).astype(jnp.result_type(u)) if m else u,
             updates,

@@ -282,3 +282,130 @@ def test_traced_hyperparameters_are_not_checked():
 
     out = step(-1.0, -1.0)
     assert jnp.all(jnp.isfinite(out["w"]))
+
+
+# A schedule's values are checked like numbers where they are concrete (an eager update).
+_NEGATIVE_SCHEDULE = {  # case: (alias, keyword arguments)
+    "adamw": (od.adamw, {}),
+    "adamw_constant": (od.adamw, {"decay_convention": "constant"}),  # lr read by the scaling
+    "adam_l2": (od.adam_l2, {}),
+    "amsgrad": (od.amsgrad, {}),
+    "amsgrad_coupled": (od.amsgrad, {"coupled": True}),
+    "lion": (od.lion, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(_NEGATIVE_SCHEDULE))
+@pytest.mark.parametrize("name", ["learning_rate", "weight_decay"])
+def test_schedule_values_are_checked_in_eager_updates(case, name):
+    """``od.adamw(lambda count: -1e-3)`` ascended the gradient and a negative weight-decay
+    schedule grew the weights, while optax.inject_hyperparams, which passes the schedule's
+    value, was refused. Now the value is checked at the step it is read, naming the argument
+    and the step (here a schedule that turns negative at step 1)."""
+    alias, extra = _NEGATIVE_SCHEDULE[case]
+    params = {"w": jnp.ones((2, 3))}
+
+    def schedule(count):
+        return 1e-3 - 2e-3 * count
+
+    kwargs = {"learning_rate": 1e-3, "weight_decay": 1e-4, "mask": None, **extra}
+    kwargs[name] = schedule
+    tx = alias(**kwargs)
+    state = tx.init(params)
+    _, state = tx.update(params, state, params)  # step 0: 1e-3, fine
+    with pytest.raises(
+        ValueError,
+        match=rf"^`{name}` must be a finite number >= 0, got .* from its schedule at step 1",
+    ):
+        tx.update(params, state, params)
+    # The same values injected: refused too (the factory sees the schedule's value).
+    injected = optax.inject_hyperparams(alias, static_args=("mask", *extra))(**kwargs)
+    state = injected.init(params)
+    _, state = injected.update(params, state, params)
+    with pytest.raises(ValueError, match=rf"`{name}` must be a finite number >= 0"):
+        injected.update(params, state, params)
+
+
+def test_schedule_values_are_named_by_step_and_nan_is_refused():
+    params = {"w": jnp.ones((2, 3))}
+    tx = od.adam_l2(1e-3, weight_decay=lambda count: jnp.where(count > 0, jnp.nan, 0.1))
+    state = tx.init(params)
+    _, state = tx.update(params, state, params)
+    with pytest.raises(
+        ValueError, match=r"`weight_decay` .* got .*nan.* from its schedule at step 1"
+    ):
+        tx.update(params, state, params)
+    # The transforms read schedules the same way.
+    tx = od.decoupled_weight_decay(0.1, learning_rate=lambda count: -1.0, mask=None)
+    with pytest.raises(ValueError, match="`learning_rate` must be a finite number >= 0, got -1.0"):
+        tx.update(params, tx.init(params), params)
+
+
+@pytest.mark.parametrize("alias", list(ALIASES))
+def test_schedule_values_are_not_checked_under_jit(alias):
+    """Under jit the step count, hence the schedule's value, is traced: not checked (as
+    documented in optax_decoupled._validation and the aliases' module docstring)."""
+    params = {"w": jnp.ones((2, 3))}
+
+    def schedule(count):
+        return -1e-3 * (count + 1)
+
+    tx = ALIASES[alias](learning_rate=schedule, mask=None)
+    updates, _ = jax.jit(tx.update)(params, tx.init(params), params)
+    assert bool(jnp.all(jnp.isfinite(updates["w"])))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda v: od.adamw(1e-3, decay_convention=v),
+        lambda v: od.lion(1e-4, decay_convention=v),
+        lambda v: od.amsgrad(1e-3, variant=v),
+        lambda v: od.adamw(1e-3, amsgrad=v),
+        lambda v: od.scale_by_adam(amsgrad=v),
+        lambda v: od.decoupled_weight_decay(0.1, convention=v, learning_rate=1e-3),
+    ],
+)
+@pytest.mark.parametrize("value", [np.array(["lr", "x"]), np.array(["pytorch"]), 1, b"lr"])
+def test_choices_must_be_strings(make, value):
+    """A NumPy array of strings raised NumPy's 'truth value of an array is ambiguous' error,
+    which names no argument; anything but a str (or None where allowed) is now refused."""
+    with pytest.raises(ValueError, match=r"^`\w+` must be one of \("):
+        make(value)
+
+
+def test_decay_rate_validates_its_arguments():
+    """decay_rate is public: a zero peak raised ZeroDivisionError, a negative one returned a
+    negative decay, a negative learning rate was used as given."""
+    assert od.decay_rate(0.1, "schedule", 1e-3, 2e-3) == pytest.approx(0.05)
+    assert od.decay_rate(0.1, "constant", None, None) == 0.1
+    for peak in (0.0, -1e-3, float("nan")):
+        with pytest.raises(ValueError, match="`peak_learning_rate` must be a finite number > 0"):
+            od.decay_rate(0.1, "schedule", 1e-3, peak)
+    with pytest.raises(ValueError, match="`peak_learning_rate` must be a finite number > 0"):
+        od.decay_rate(0.1, "lr", 1e-3, -1.0)  # checked where ignored, as by the transform
+    with pytest.raises(ValueError, match="`learning_rate` must be a finite number >= 0"):
+        od.decay_rate(0.1, "lr", -1e-3, None)
+    with pytest.raises(ValueError, match="`weight_decay` must be a finite number >= 0"):
+        od.decay_rate(-0.1, "constant", None, None)
+    with pytest.raises(ValueError, match="convention='lr' needs `learning_rate`"):
+        od.decay_rate(0.1, "lr", None, None)
+    with pytest.raises(ValueError, match="`weight_decay` must be its value at step t"):
+        od.decay_rate(lambda count: 0.1, "lr", 1e-3, None)
+    with pytest.raises(ValueError, match="`convention` must be one of"):
+        od.decay_rate(0.1, np.array(["lr"]), 1e-3, None)
+    # Traced values are used as given.
+    assert float(jax.jit(od.decay_rate, static_argnums=1)(0.1, "lr", -1.0, None)) < 0
+
+
+@pytest.mark.parametrize("convention", ["lr", "constant"])
+def test_peak_learning_rate_is_ignored_where_the_convention_does_not_use_it(convention):
+    """Documented (adamw, lion, amsgrad, decoupled_weight_decay): "lr" and "constant" accept a
+    valid peak and ignore it, so one set of arguments can be swept over every convention
+    (the experiments and tests/test_properties.py rely on that)."""
+    params = {"w": jnp.full((2, 3), 2.0)}
+    with_peak = od.adamw(1e-3, decay_convention=convention, peak_learning_rate=5.0, mask=None)
+    without = od.adamw(1e-3, decay_convention=convention, mask=None)
+    a, _ = with_peak.update(params, with_peak.init(params), params)
+    b, _ = without.update(params, without.init(params), params)
+    np.testing.assert_array_equal(a["w"], b["w"])

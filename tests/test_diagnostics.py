@@ -147,3 +147,64 @@ def test_find_adam_state_through_wrappers():
     assert isinstance(D.find_adam_state(state), od.ScaleByAdamState)
     with pytest.raises(ValueError, match="no ScaleByAdamState"):
         D.find_adam_state(od.lion(0.1).init(params))
+
+
+def _adam_l2_state(amsgrad):
+    params, grads = small()
+    tx = od.adam_l2(0.1, weight_decay=0.5, amsgrad=amsgrad)
+    _, state = tx.update(grads, tx.init(params), params)
+    return state, params
+
+
+COUPLED = dict(learning_rate=0.1, weight_decay=0.5, coupled=True)
+
+
+@pytest.mark.parametrize("value", ["bogus", True, np.array(["optax", "paper"])])
+def test_effective_decay_checks_amsgrad(value):
+    """An unknown amsgrad was read as an AMSGrad variant and failed blaming the parameters
+    ('second moment has 0 leaves'); an array raised NumPy's ambiguous-truth error."""
+    state, params = _adam_l2_state(None)
+    with pytest.raises(ValueError, match=r"^`amsgrad` must be one of \("):
+        D.effective_decay(state, params, amsgrad=value, **COUPLED)
+
+
+def test_effective_decay_amsgrad_must_match_the_state():
+    """An AMSGrad state read with the default amsgrad=None silently used nu instead of nu_max
+    (other numbers); a plain Adam state read with a variant blamed the parameters."""
+    state, params = _adam_l2_state("optax")
+    with pytest.raises(ValueError, match="holds AMSGrad's running maximum .* `amsgrad` is None"):
+        D.effective_decay(state, params, **COUPLED)
+    D.effective_decay(state, params, amsgrad="optax", **COUPLED)
+    state, params = _adam_l2_state(None)
+    with pytest.raises(ValueError, match="`amsgrad` is 'pytorch' but the optimizer state is plain"):
+        D.effective_decay(state, params, amsgrad="pytorch", **COUPLED)
+    # Decoupled decay does not read the state: no check.
+    D.effective_decay(state, params, learning_rate=0.1, weight_decay=0.5, coupled=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"peak_learning_rate": 0.0}, "`peak_learning_rate` must be a finite number > 0"),
+        ({"peak_learning_rate": -1e-3}, "`peak_learning_rate` must be a finite number > 0"),
+        ({"learning_rate": -0.1}, "`learning_rate` must be a finite number >= 0"),
+        ({"weight_decay": float("nan")}, "`weight_decay` must be a finite number >= 0"),
+        ({"eps": -1.0}, "`eps` must be a finite number >= 0"),
+        ({"b2": 1.0}, r"`b2` must lie in \[0, 1\)"),
+        ({"learning_rate": lambda count: 0.1}, "`learning_rate` must be a number or an array, not"),
+        ({"coupled": None}, "`coupled` must be a bool, got None"),
+        ({"coupled": "False"}, "`coupled` must be a bool, got 'False'"),
+        ({"coupled": 1}, "`coupled` must be a bool, got 1"),
+        ({"convention": "bogus"}, r"`convention` must be one of \("),
+    ],
+)
+@pytest.mark.parametrize("coupled", [False, True])
+def test_effective_decay_checks_its_hyperparameters(kwargs, message, coupled):
+    """Checked as the transforms check them. Before: peak_learning_rate=0 raised
+    ZeroDivisionError, a negative one or a negative learning rate gave negative decays, and
+    coupled=None / "False" were used as truth values."""
+    state, params = _adam_l2_state(None)
+    full = {"learning_rate": 0.1, "weight_decay": 0.5, "coupled": coupled, "convention": "schedule"}
+    full.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        D.effective_decay(state, params, **full)

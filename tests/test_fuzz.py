@@ -74,6 +74,11 @@ CASES: dict[str, Case] = {
         "a concrete JAX or NumPy array with an element out of range (checked like a number)",
         lambda: od.adamw(jnp.array([1e-3, -1e-3])),
     ),
+    "schedule-value-out-of-range": Case(
+        "a learning-rate or weight-decay schedule whose value at a step is negative or not "
+        "finite (checked by an eager `update`; under `jit` the value is traced and not checked)",
+        lambda: _update(od.adamw(lambda count: -1e-3), PARAMS),
+    ),
     "string-hyperparameter": Case(
         "a string (or other non-number) where a number is expected",
         lambda: od.lion("1e-4"),
@@ -86,6 +91,10 @@ CASES: dict[str, Case] = {
         "an unknown `amsgrad` (including `True`)", lambda: od.adamw(1e-3, amsgrad=True)
     ),
     "unknown-variant": Case("an unknown AMSGrad `variant`", lambda: od.amsgrad(1e-3, variant=None)),
+    "choice-not-string": Case(
+        "a `decay_convention`, `amsgrad` or `variant` that is not a string (e.g. a NumPy array)",
+        lambda: od.adamw(1e-3, decay_convention=np.array(["lr", "schedule"])),
+    ),
     "coupled-not-bool": Case(
         "`coupled` that is not a bool", lambda: od.amsgrad(1e-3, coupled="yes")
     ),

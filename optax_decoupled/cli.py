@@ -2,8 +2,9 @@
 
 Each experiment module in :mod:`optax_decoupled.experiments` exposes
 ``add_arguments(parser)`` and ``run_cli(args) -> int``; this file only wires them up, so the
-command line has no logic of its own. Modules are imported when their subcommand runs, so
-``optax-decoupled --help`` is fast and the core package never imports the experiments.
+command line has no logic of its own. Experiment modules are imported when their subcommand
+runs, so ``optax-decoupled --help`` loads only the core package (JAX and Optax, a few
+seconds), not Flax or matplotlib, and the core package never imports the experiments.
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    #: each subcommand's parser, to report its own usage errors
+    parser.subcommand_parsers = {}
     for name, module, description in SUBCOMMANDS:
         p = sub.add_parser(name, help=description, description=description)
         p.set_defaults(_module=module)
+        parser.subcommand_parsers[name] = p
         if name == selected:
             _load(module).add_arguments(p)
     return parser
@@ -76,7 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = {name for name, _, _ in SUBCOMMANDS}
     selected = next((a for a in argv if a in names), None)
     parser = build_parser(selected)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser, with its usage (status 2)
+        culprit = parser.subcommand_parsers.get(args.command, parser)
+        culprit.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:  # a usage error, as argparse treats one: help on stderr, status 2
         parser.print_help(sys.stderr)
         print("\noptax-decoupled: error: choose a COMMAND (e.g. report)", file=sys.stderr)

@@ -139,6 +139,19 @@ def test_cli_without_a_command_is_a_usage_error(capsys):
     assert "usage: optax-decoupled" in captured.err and "choose a COMMAND" in captured.err
 
 
+def test_cli_unknown_option_is_named_by_its_subcommand(capsys):
+    """An option the subcommand does not have is a usage error of that subcommand: its own
+    usage line and name, not the top-level one's."""
+    from optax_decoupled import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["memory", "--config-chunk", "2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: optax-decoupled memory" in err
+    assert "optax-decoupled memory: error: unrecognized arguments: --config-chunk 2" in err
+
+
 def test_cli_help_does_not_import_experiments():
     code = (
         "import sys; from optax_decoupled import cli; cli.build_parser().format_help();"

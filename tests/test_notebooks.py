@@ -12,10 +12,10 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipy
 
 # A line each notebook prints in its first code cell at default size (never at smoke size).
 DEFAULT_SIZE_MARKERS = {
-    "01_reddi_counterexample": "full size",
+    "01_reddi_counterexample": "quick size",
     "02_ssm_comparison": "quick",
     "03_lr_wd_grid": "quick",
-    "04_memory": "full run",
+    "04_memory": "quick run",
 }
 # Figures (PNG outputs) each notebook shows at least.
 MIN_FIGURES = {

@@ -81,8 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     selected = next((a for a in argv if a in names), None)
     parser = build_parser(selected)
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # said by the subcommand's parser, with its usage (status 2)
-        culprit = parser.subcommand_parsers.get(args.command, parser)
+    if unknown:  # said by the parser they were given to, with its usage (status 2)
+        position = argv.index(args.command) if args.command in argv else len(argv)
+        if any(u in argv[:position] for u in unknown):  # before the subcommand
+            culprit = parser
+        else:
+            culprit = parser.subcommand_parsers.get(args.command, parser)
         culprit.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:  # a usage error, as argparse treats one: help on stderr, status 2
         parser.print_help(sys.stderr)

@@ -115,9 +115,10 @@ def _register() -> bool:
         built, running = _ffi_api_version(lib), _jaxlib_ffi_api_version()
         if not ffi_api_compatible(built, running):
             _load_error = (
-                f"{path.name} was compiled against XLA FFI API {built[0]}.{built[1]}, newer "
-                f"than this jaxlib's {running[0]}.{running[1]} (jaxlib {jax.__version__}; pip "
-                "builds in an isolated environment with the newest jax): reinstall it against "
+                f"{path.name} was compiled against XLA FFI API {built[0]}.{built[1]}, which "
+                f"the installed jaxlib's FFI API {running[0]}.{running[1]} cannot load (jax "
+                f"{jax.__version__}; pip builds in an isolated environment with the newest "
+                "jax): reinstall it against "
                 "the installed jax, e.g. pip install --no-build-isolation --force-reinstall "
                 "--no-deps optax-decoupled (from a checkout: -e .)"
             )
@@ -475,12 +476,25 @@ def dispatch(
     return platform_dependent(*stored, *operands, *dynamic, cpu=on_cpu, default=branch(other))
 
 
+def _under_a_trace() -> bool:
+    """Whether JAX is tracing (``jit``, ``vmap``, ``grad``, ...), even where every argument
+    at hand is a concrete array (closed over by a jitted function); ``True`` where the JAX
+    version does not say, so that :func:`jax.lax.platform_dependent` decides."""
+    try:
+        from jax._src import core as jax_core
+    except ImportError:  # pragma: no cover - private module; every tested JAX has it
+        return True
+    clean = getattr(jax_core, "trace_state_clean", None)
+    return True if clean is None else not clean()
+
+
 def _eager_platform(args: tuple[Any, ...]) -> str | None:
     """The platform an eager operation on ``args`` runs on, where JAX decides it from them:
-    that of the committed arrays (uncommitted ones follow them), when no argument is traced
-    and the committed ones are on one platform; else ``None``."""
+    that of the committed arrays (uncommitted ones follow them), outside any trace and when
+    the committed ones are on one platform; else ``None``. Inside a trace, concrete arrays a
+    jitted function closes over say nothing about the platform it is lowered for."""
     leaves = jax.tree.leaves(args)
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    if any(isinstance(x, jax.core.Tracer) for x in leaves) or _under_a_trace():
         return None
     platforms = {
         d.platform for x in leaves if isinstance(x, jax.Array) and x.committed for d in x.devices()

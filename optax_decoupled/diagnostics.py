@@ -49,7 +49,7 @@ def effective_decay(
     opt_state: Any,
     params: Any,
     *,
-    learning_rate: float,
+    learning_rate: float | None,
     weight_decay: float,
     coupled: bool,
     b2: float = 0.999,
@@ -76,7 +76,8 @@ def effective_decay(
     ``"schedule"`` and ``"corrected"`` conventions pass the run's ``peak_learning_rate``
     when it used a schedule: without it :math:`\eta_t` is taken as its own peak, as for a
     constant learning rate (the transform itself refuses a schedule without the peak).
-    ``"lr"`` and ``"constant"`` ignore ``peak_learning_rate`` (a given one is still checked).
+    ``"lr"`` and ``"constant"`` ignore ``peak_learning_rate`` (a given one is still checked);
+    decoupled ``"constant"`` also ignores ``learning_rate``, which may then be ``None``.
 
     ``amsgrad`` must name the convention of the optimizer that produced ``opt_state``: with
     ``coupled=True`` a state that holds AMSGrad's running maximum (``nu_max``) read with
@@ -111,7 +112,10 @@ def effective_decay(
                 f"`{name}` must be a number or an array, not a schedule: effective_decay "
                 "reads one step; pass the schedule's value at that step."
             )
+    no_lr_needed = not coupled and convention == "constant"
     for name in ("learning_rate", "weight_decay", "eps", "eps_root"):
+        if name == "learning_rate" and values[name] is None and no_lr_needed:
+            continue  # decoupled "constant" does not use it (decay_rate accepts None there too)
         V.check_non_negative(name, values[name])
     V.check_beta("b2", b2)
     if peak_learning_rate is not None:  # checked even where the convention ignores it

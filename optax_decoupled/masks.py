@@ -60,6 +60,10 @@ NO_DECAY_NAMES = frozenset({"b", "scale", "offset", "gamma", "beta"})
 #: Substrings of a leaf name (case-insensitive) that ``"auto"`` never decays.
 NO_DECAY_SUBSTRINGS = ("bias", "norm", "embed")
 
+# The diagnostic group of a name in NO_DECAY_NAMES (others: "norm") or NO_DECAY_SUBSTRINGS.
+_NAME_GROUPS = {"b": "bias"}
+_SUBSTRING_GROUPS = {"bias": "bias", "norm": "norm", "embed": "embedding"}
+
 _VARIABLE_VALUE_ATTRS = ("value", "raw_value")
 # The words of a module name: "RMSNorm_0" -> RMS, Norm, 0; "embed_tokens" -> embed, tokens.
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
@@ -100,23 +104,28 @@ def leaf_and_module_names(components: tuple[str, ...]) -> tuple[str, str]:
 def auto_no_decay_reason(components: tuple[str, ...]) -> str | None:
     """Why the ``"auto"`` name rules exclude a leaf: its SSM name (``"A_log"``, ``"D"``,
     ``"dt_bias"``), ``"norm"``, ``"bias"`` or ``"embedding"``; ``None`` if no name rule
-    applies (the ndim rule decides)."""
+    applies (the ndim rule decides). The leaf's name is matched against
+    :data:`SSM_NO_DECAY_NAMES`, :data:`NO_DECAY_NAMES` and :data:`NO_DECAY_SUBSTRINGS`, its
+    module's words as the module docs say; a normalisation layer's bias counts as ``"norm"``."""
     leaf, module = leaf_and_module_names(components)
     if leaf in SSM_NO_DECAY_NAMES:
         return leaf
     lowered = leaf.lower()
-    words = [w.lower() for w in _WORDS.findall(module)]
-    if (
-        "norm" in lowered
-        or lowered in ("scale", "offset", "gamma", "beta")
-        or any(w.endswith(("norm", "normalization", "normalisation")) for w in words)
-    ):
-        return "norm"
-    if "bias" in lowered or lowered == "b" or any(w in ("bias", "biases") for w in words):
-        return "bias"
-    if "embed" in lowered or any(w.startswith("embed") for w in words):
-        return "embedding"
-    return None
+    groups = set()
+    if lowered in NO_DECAY_NAMES:
+        groups.add(_NAME_GROUPS.get(lowered, "norm"))
+    groups.update(_SUBSTRING_GROUPS.get(sub, sub) for sub in NO_DECAY_SUBSTRINGS if sub in lowered)
+    for word in (w.lower() for w in _WORDS.findall(module)):
+        if word.endswith(("norm", "normalization", "normalisation")):
+            groups.add("norm")
+        elif word in ("bias", "biases"):
+            groups.add("bias")
+        elif word.startswith("embed"):
+            groups.add("embedding")
+    for group in ("norm", "bias", "embedding"):
+        if group in groups:
+            return group
+    return min(groups) if groups else None
 
 
 def auto_decays(components: tuple[str, ...], ndim: int) -> bool:

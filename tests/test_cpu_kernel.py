@@ -8,6 +8,8 @@ decision point of both maps.
 """
 
 import logging
+import subprocess
+import sys
 import warnings
 
 import chex
@@ -80,12 +82,11 @@ def test_kernel_is_built():
     assert cpu_kernel.available(), cpu_kernel.unavailable_reason()
 
 
+@needs_kernel
 def test_kernel_ffi_api_version_matches_the_running_jaxlib():
     """The loader refuses a library compiled against a newer XLA FFI API than the running
     jaxlib's (registering it would take the CPU backend down); the test command builds the
     kernel against the installed jax, so the two versions are equal here."""
-    if NO_KERNEL:
-        pytest.skip("OPTAX_DECOUPLED_NO_KERNEL=1: no compiled kernel to read the version from")
     import ctypes
 
     assert cpu_kernel.available(), cpu_kernel.unavailable_reason()
@@ -108,6 +109,32 @@ def test_kernel_ffi_api_version_matches_the_running_jaxlib():
 )
 def test_ffi_api_compatibility_rule(built, running, ok):
     assert cpu_kernel.ffi_api_compatible(built, running) is ok
+
+
+@needs_kernel
+def test_an_incompatible_kernel_is_refused_with_its_reason():
+    """With the running jaxlib's FFI API taken as a newer major version, the loader refuses
+    the library (registering it could take the CPU backend down) and says how to rebuild it;
+    the 8-bit step then runs XLA's program. In a subprocess: a refused library stays refused."""
+    code = (
+        "import warnings, jax.numpy as jnp, optax_decoupled as od\n"
+        "from optax_decoupled import cpu_kernel as k\n"
+        "k._jaxlib_ffi_api_version = lambda: (99, 0)\n"
+        "assert not k.available()\n"
+        "print(k.unavailable_reason())\n"
+        "tx = od.adamw(1e-3, state_dtype=od.BlockwiseInt8Storage(min_size=0))\n"
+        "p = {'w': jnp.ones((4, 300))}\n"
+        "with warnings.catch_warnings():\n"
+        "    warnings.simplefilter('ignore')\n"
+        "    u, s = tx.update(p, tx.init(p), p)\n"
+        "print(bool(jnp.all(jnp.isfinite(u['w']))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert "which the installed jaxlib's FFI API 99.0 cannot load" in out
+    assert "--no-build-isolation" in out
+    assert out.strip().endswith("True")
 
 
 # --- NumPy reference ----------------------------------------------------------------------
@@ -503,6 +530,25 @@ def test_programs_lowered_for_several_platforms_use_the_loop(state_dtype):
     cpu_only = traced.lower(lowering_platforms=("cpu",)).as_text()
     assert any(t in cpu_only for t in targets)
     for platforms in [("cuda", "cpu"), ("cpu", "cuda")]:
+        text = traced.lower(lowering_platforms=platforms).as_text()
+        assert not any(t in text for t in targets), platforms
+
+
+@needs_kernel
+@pytest.mark.parametrize("state_dtype", ["int8", "bfloat16"])
+def test_closed_over_state_lowered_for_a_gpu_has_no_kernel(state_dtype):
+    """A jitted function that closes over concrete CPU arrays traces them as constants: the
+    choice of program is still made per lowering platform, not by where those arrays are."""
+    storage = BlockwiseInt8Storage(min_size=0) if state_dtype == "int8" else state_dtype
+    tx = od.adamw(1e-3, weight_decay=0.1, state_dtype=storage)
+    cpu0 = jax.devices("cpu")[0]
+    params = {"w": jax.device_put(jnp.ones((64, 128), jnp.float32), cpu0)}
+    grads = {"w": jax.device_put(jnp.full((64, 128), 0.01, jnp.float32), cpu0)}
+    state = tx.init(params)
+    traced = jax.jit(lambda: tx.update(grads, state, params)).trace()
+    targets = (cpu_kernel.TARGET, cpu_kernel.BF16_TARGET)
+    assert any(t in traced.lower(lowering_platforms=("cpu",)).as_text() for t in targets)
+    for platforms in [("cuda",), ("cpu", "cuda")]:
         text = traced.lower(lowering_platforms=platforms).as_text()
         assert not any(t in text for t in targets), platforms
 

@@ -34,6 +34,13 @@ def test_decoupled_effective_decay_is_uniform_on_decayed_leaves():
         convention="schedule", peak_learning_rate=0.1,
     )  # fmt: skip
     np.testing.assert_allclose(sched["dense"]["kernel"], 0.25)
+    # "constant" (decoupled) does not use the learning rate: None is accepted, as by decay_rate.
+    const = D.effective_decay(
+        None, params, learning_rate=None, weight_decay=0.5, coupled=False, convention="constant"
+    )
+    np.testing.assert_allclose(const["dense"]["kernel"], 0.5)
+    with pytest.raises(ValueError, match="`learning_rate` must be"):
+        D.effective_decay(None, params, learning_rate=None, weight_decay=0.5, coupled=False)
 
 
 @pytest.mark.parametrize("eps_root", [0.0, 1e-3])

@@ -443,3 +443,16 @@ def test_concrete_jax_bool_scalars_are_mask_leaves_traced_ones_are_not():
         return flag
 
     traced(jnp.array(True))
+
+
+def test_auto_rule_reads_the_module_name_lists(monkeypatch):
+    """The documented lists are what the rule uses: a name added to them is excluded."""
+    components = ("encoder", "pos_table")
+    assert masks.auto_decays(components, 2)
+    monkeypatch.setattr(masks, "NO_DECAY_SUBSTRINGS", (*masks.NO_DECAY_SUBSTRINGS, "pos"))
+    assert not masks.auto_decays(components, 2)
+    assert masks.auto_no_decay_reason(components) == "pos"
+    monkeypatch.setattr(masks, "NO_DECAY_NAMES", masks.NO_DECAY_NAMES | {"w"})
+    assert masks.auto_no_decay_reason(("dense", "w")) == "norm"
+    assert masks.auto_no_decay_reason(("LayerNorm_0", "bias")) == "norm"
+    assert masks.auto_no_decay_reason(("dense", "bias")) == "bias"

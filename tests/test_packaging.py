@@ -150,6 +150,13 @@ def test_cli_unknown_option_is_named_by_its_subcommand(capsys):
     err = capsys.readouterr().err
     assert "usage: optax-decoupled memory" in err
     assert "optax-decoupled memory: error: unrecognized arguments: --config-chunk 2" in err
+    # Before the subcommand, an option is the top-level parser's.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--bogus", "memory"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "optax-decoupled: error: unrecognized arguments: --bogus" in err
+    assert "optax-decoupled memory:" not in err
 
 
 def test_cli_help_does_not_import_experiments():

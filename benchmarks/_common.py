@@ -264,9 +264,13 @@ def machine_info() -> dict[str, Any]:
 
 
 def write_json(path: str, payload: Any) -> None:
+    """Writes ``payload`` to ``path`` atomically (a temporary file, then a rename), so that a
+    run interrupted while writing leaves the previous complete file."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(payload, f, indent=1, default=str)
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------

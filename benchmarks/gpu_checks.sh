@@ -23,7 +23,9 @@
 #
 # Each stage has a time limit (GPU_BENCH_S, GPU_OVERHEAD_S, GPU_EXCESS_S, GPU_STATE_S,
 # GPU_TESTS_S seconds) so that the whole run fits a lease; a stage that runs out is reported
-# as such (rc 124) and the next one still runs. Results of the last runs: docs/results/gpu/,
+# as such (rc 124) and the next one still runs; the benchmarks write their JSON after every
+# group or size, with "complete": false until they finish, so a stopped stage keeps what it
+# measured. Results of the last runs: docs/results/gpu/,
 # docs/devices.md, docs/performance.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -33,7 +33,6 @@ Targets (issue 6): int8 state <= 0.27x float32 for large tensors; step time <= 1
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -184,11 +183,6 @@ def main(argv=None) -> list[dict]:
             shapes.append((max(1, round(n / 1000)), 1000))
     load_at_start = C.load_average()
     machine = C.machine_info()
-    results = []
-    for shape in shapes:
-        dtypes = ("float32", *dict.fromkeys(args.dtypes))
-        results.append(bench_size(shape, args.repeats, args.rotation, dtypes))
-        print(markdown(results[-1:]).splitlines()[-1], flush=True)
     env = {
         "jax": jax.__version__,
         "backend": jax.default_backend(),
@@ -208,6 +202,13 @@ def main(argv=None) -> list[dict]:
         "cpu_kernel_avx512": cpu_kernel.uses_avx512(),
         "cpu_kernel_avx512_vbmi": cpu_kernel.uses_avx512_vbmi(),
     }
+    results = []
+    for shape in shapes:
+        dtypes = ("float32", *dict.fromkeys(args.dtypes))
+        results.append(bench_size(shape, args.repeats, args.rotation, dtypes))
+        print(markdown(results[-1:]).splitlines()[-1], flush=True)
+        if args.json:  # after every size: a run stopped by a time limit keeps what it measured
+            C.write_json(args.json, {"env": env, "results": results, "complete": False})
     print()
     print(f"jax {env['jax']} on {env['backend']} ({env['device']}, {env['cpu_count']} CPUs)")
     print(f"CPU: {env['cpu']}; load average at the start: {env['load_average_at_start']}")
@@ -227,8 +228,7 @@ def main(argv=None) -> list[dict]:
         print(f"allocator settings: {env['malloc_env']}")
     print(markdown(results))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "results": results}, f, indent=1)
+        C.write_json(args.json, {"env": env, "results": results, "complete": True})
     return results
 
 

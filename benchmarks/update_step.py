@@ -381,11 +381,14 @@ def main(argv=None) -> dict:
             print(f"  group: {n_leaves} leaves, N={n:.0e}", flush=True)
             groups.append(run_group(n_leaves, n, jax_names, torch_names, args))
             gc.collect()
+            # After every group, so that a run stopped by a time limit (gpu_checks.sh's
+            # `timeout`) keeps what it measured; "complete" says whether the run finished.
+            C.write_json(args.out, {"machine": info, "groups": groups, "complete": False})
     info["load_average_at_end"] = C.load_average()
     info["wall_s"] = time.perf_counter() - t_start
     table = markdown(groups)
     print(table)
-    payload = {"machine": info, "groups": groups, "markdown": table}
+    payload = {"machine": info, "groups": groups, "markdown": table, "complete": True}
     if args.gpu:
         report = gpu_report(groups)
         print(report)

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -37,6 +38,11 @@ def state_shardings(
     """The sharding of every leaf of ``tx.init(params)``: each moment takes its parameter's
     (a parameter on one device among parameters on a mesh, e.g. an uncommitted bias, or a
     NumPy array, gets moments replicated on that mesh, where ``jit`` would put it).
+
+    Moments are found with :func:`optax.tree_utils.tree_map_params`; where it cannot pair the
+    state with the parameters (``optax.masked``, ``optax.multi_transform``: moments of a part of
+    the parameter tree), by key path: a state leaf whose key path ends with a parameter's and
+    that has its shape takes its sharding.
 
     Non-parameter leaves (step counts, injected hyperparameters) get ``replicated``, by
     default a fully replicated :class:`~jax.sharding.NamedSharding` on the mesh of the first
@@ -91,14 +97,60 @@ def state_shardings(
             is_leaf=lambda x: isinstance(x, QuantizedArray),
         )
     except ValueError as e:
+        # optax.masked and optax.multi_transform keep moments of a masked copy of the
+        # parameter tree (optax.MaskedNode where another transform owns a leaf), which
+        # tree_map_params cannot pair with the parameters: match by key path instead.
+        found = _shardings_by_key_path(shapes, params, param_shardings, replicated)
+        if found is not None:
+            return found
         raise ValueError(
-            "state_shardings/jit_init: cannot match this optimizer's state to the parameters. "
+            "state_shardings/jit_init: cannot match this optimizer's state to the parameters: "
             "optax.tree_utils.tree_map_params, which finds the parameter-shaped parts of the "
-            "state, failed; it does for optax.masked (its state has the masked tree's "
-            "structure), also with optax's own optimizers. Give the decay mask to this "
-            "package's transforms instead (mask=...), or call tx.init(params) and place the "
-            f"state yourself. ({type(e).__name__}: {str(e).splitlines()[0]})"
+            "state, failed, and no state leaf's key path ends with a parameter's key path "
+            "with its shape. Call tx.init(params) and place the state yourself. "
+            f"({type(e).__name__}: {str(e).splitlines()[0]})"
         ) from e
+
+
+def _shardings_by_key_path(
+    shapes: Any, params: Any, param_shardings: Any, replicated: Any
+) -> Any | None:
+    """The shardings of a state whose moments are trees shaped like a *part* of the parameters
+    (``optax.masked``, ``optax.multi_transform``): a state leaf whose key path ends with a
+    parameter's key path (the longest such) and that has that parameter's shape (an 8-bit
+    moment: as many blocks as the parameter needs) takes the parameter's sharding, as
+    :func:`~optax_decoupled.storage.stored_sharding` lays it out; every other leaf gets
+    ``replicated``. ``None`` when no leaf matches a parameter (there are parameters)."""
+    flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
+    flat_shardings = jax.tree.leaves(param_shardings)
+    by_path = {
+        tuple(path): (tuple(jax.numpy.shape(p)), sh)
+        for (path, p), sh in zip(flat_params, flat_shardings, strict=True)
+    }
+    lengths = sorted({len(k) for k in by_path}, reverse=True)
+    matched = []
+
+    def fits(leaf: Any, shape: tuple[int, ...]) -> bool:
+        if isinstance(leaf, QuantizedArray):
+            n_blocks, block = leaf.codes.shape
+            size = math.prod(shape)
+            return n_blocks == max(1, -(-size // block))
+        return tuple(leaf.shape) == shape
+
+    def one(path: tuple[Any, ...], leaf: Any) -> Any:
+        for n in lengths:
+            if n > len(path):
+                continue
+            hit = by_path.get(tuple(path[len(path) - n :]))
+            if hit is not None and fits(leaf, hit[0]):
+                matched.append(path)
+                return storage.stored_sharding(leaf, hit[1])
+        return replicated
+
+    out = jax.tree_util.tree_map_with_path(
+        one, shapes, is_leaf=lambda x: isinstance(x, QuantizedArray)
+    )
+    return out if matched or not flat_params else None
 
 
 def _default_device() -> jax.Device:

@@ -103,7 +103,8 @@ def check_mixed_devices(mesh):
 def check_masks(mesh):
     """jit_init with a pytree decay mask (optax's tree_map_params hands init a placeholder for
     the parameters, which a mask pytree cannot be checked against): every moment on its
-    parameter's sharding. optax.masked, whose state tree_map_params cannot map: a clear error."""
+    parameter's sharding; also for optax.masked and optax.multi_transform, whose states
+    tree_map_params cannot map."""
     problems = []
     params = {
         "w": jax.device_put(jnp.ones((64, 256)), NamedSharding(mesh, P("fsdp"))),
@@ -119,12 +120,48 @@ def check_masks(mesh):
             check_moments(tx, sharding.jit_init(tx, params), params, f"{name} mask", problems)
         except ValueError as e:
             problems.append(f"{name}: {e}")
-    try:
-        sharding.jit_init(optax.masked(od.adamw(1e-3), mask), params)
-        problems.append("optax.masked: no error")
-    except ValueError as e:
-        if "optax.masked" not in str(e):
-            problems.append(f"optax.masked: unclear error {e}")
+    # optax.masked / optax.multi_transform: their moments are trees of a part of the
+    # parameters, which tree_map_params cannot pair with them (matched by key path instead).
+    # Expected shardings written out per field, not derived by the same matching.
+    fsdp, rep = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P())
+    for sd in (None, "int8"):
+        cases = {
+            "masked": (
+                optax.masked(od.adamw(1e-3, mask=None, state_dtype=sd), mask),
+                lambda s: {"count": s.inner_state[0].count, "mu_w": s.inner_state[0].mu["w"],
+                           "nu_w": s.inner_state[0].nu["w"]},
+            ),
+            "multi_transform": (
+                optax.multi_transform(
+                    {"x": od.adamw(1e-3, state_dtype=sd), "y": od.lion(1e-4, state_dtype=sd)},
+                    {"w": "x", "b": "y"},
+                ),
+                lambda s: {"count": s.inner_states["x"].inner_state[0].count,
+                           "mu_w": s.inner_states["x"].inner_state[0].mu["w"],
+                           "nu_w": s.inner_states["x"].inner_state[0].nu["w"],
+                           "mu_b": s.inner_states["y"].inner_state[0].mu["b"]},
+            ),
+        }  # fmt: skip
+        for name, (tx, fields) in cases.items():
+            label = f"{name} {sd}"
+            try:
+                state = sharding.jit_init(tx, params)
+            except ValueError as e:
+                problems.append(f"{label}: {e}")
+                continue
+            if sd == "int8" and not isinstance(fields(state)["mu_w"], QuantizedArray):
+                problems.append(f"{label}: mu of w is not quantized")
+            expected = {"count": rep, "mu_w": fsdp, "nu_w": fsdp, "mu_b": rep}
+            for when in ("init", "update"):
+                if when == "update":
+                    updates, state = jax.jit(tx.update)(params, state, params)
+                    if not updates["w"].sharding.is_equivalent_to(fsdp, 2):
+                        problems.append(f"{label}: update of w has {updates['w'].sharding}")
+                for field, leaf in fields(state).items():
+                    want = storage.stored_sharding(leaf, expected[field])
+                    for x, sh in zip(jax.tree.leaves(leaf), jax.tree.leaves(want), strict=True):
+                        if not x.sharding.is_equivalent_to(sh, x.ndim):
+                            problems.append(f"{label} {field} ({when}): {x.sharding}, not {sh}")
     return problems
 
 

@@ -33,6 +33,7 @@ and **not checked**, as for any traced hyperparameter.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -56,15 +57,10 @@ def _scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.Grad
     (:func:`~optax_decoupled.transforms.check_hyperparameter_shapes`), on the scaled updates
     for a schedule (not called twice, nor traced where the update runs eagerly). A schedule's
     value is checked (>= 0, finite) where it is concrete, i.e. in an eager update."""
-    if callable(learning_rate):
-        schedule = learning_rate
-
-        def checked(count):
-            value = schedule(count)
-            V.check_schedule_value("learning_rate", value, count)
-            return value
-
-        inner = optax.scale_by_learning_rate(checked)
+    if callable(learning_rate):  # the schedule's value checked at each step, as the decay's
+        inner = optax.scale_by_learning_rate(
+            functools.partial(transforms._at, "learning_rate", learning_rate)
+        )
     else:
         inner = optax.scale_by_learning_rate(learning_rate)
 

@@ -54,12 +54,11 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    #: each subcommand's parser, to report its own usage errors
-    parser.subcommand_parsers = {}
+    #: each subcommand's parser (argparse's own map), to report its own usage errors
+    parser.subcommand_parsers = sub.choices
     for name, module, description in SUBCOMMANDS:
         p = sub.add_parser(name, help=description, description=description)
         p.set_defaults(_module=module)
-        parser.subcommand_parsers[name] = p
         if name == selected:
             _load(module).add_arguments(p)
     return parser

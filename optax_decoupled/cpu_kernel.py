@@ -476,28 +476,34 @@ def dispatch(
     return platform_dependent(*stored, *operands, *dynamic, cpu=on_cpu, default=branch(other))
 
 
-def _under_a_trace() -> bool:
-    """Whether JAX is tracing (``jit``, ``vmap``, ``grad``, ...), even where every argument
-    at hand is a concrete array (closed over by a jitted function); ``True`` where the JAX
-    version does not say, so that :func:`jax.lax.platform_dependent` decides."""
+def _trace_state_clean_or_none() -> Any:
+    """JAX's ``trace_state_clean`` (private: ``None`` where this JAX lacks it)."""
     try:
         from jax._src import core as jax_core
     except ImportError:  # pragma: no cover - private module; every tested JAX has it
-        return True
-    clean = getattr(jax_core, "trace_state_clean", None)
-    return True if clean is None else not clean()
+        return None
+    return getattr(jax_core, "trace_state_clean", None)
+
+
+#: False inside any trace (``jit``, ``vmap``, ``grad``, ...), even where every argument at hand
+#: is a concrete array (closed over by a jitted function), so traced arguments need no scan.
+_TRACE_STATE_CLEAN = _trace_state_clean_or_none()
 
 
 def _eager_platform(args: tuple[Any, ...]) -> str | None:
     """The platform an eager operation on ``args`` runs on, where JAX decides it from them:
     that of the committed arrays (uncommitted ones follow them), outside any trace and when
-    the committed ones are on one platform; else ``None``. Inside a trace, concrete arrays a
-    jitted function closes over say nothing about the platform it is lowered for."""
-    leaves = jax.tree.leaves(args)
-    if any(isinstance(x, jax.core.Tracer) for x in leaves) or _under_a_trace():
+    the committed ones are on one platform; else ``None`` (also where this JAX cannot say
+    whether it is tracing: then :func:`jax.lax.platform_dependent` decides). Inside a trace,
+    concrete arrays a jitted function closes over say nothing about the platform it is
+    lowered for."""
+    if _TRACE_STATE_CLEAN is None or not _TRACE_STATE_CLEAN():
         return None
     platforms = {
-        d.platform for x in leaves if isinstance(x, jax.Array) and x.committed for d in x.devices()
+        d.platform
+        for x in jax.tree.leaves(args)
+        if isinstance(x, jax.Array) and x.committed
+        for d in x.devices()
     }
     return platforms.pop() if len(platforms) == 1 else None
 

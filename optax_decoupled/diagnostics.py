@@ -29,7 +29,7 @@ from optax_decoupled.transforms import (
     AMSGRAD_VARIANTS,
     DECAY_CONVENTIONS,
     ScaleByAdamState,
-    decay_rate,
+    _decay_rate,
 )
 
 
@@ -112,17 +112,16 @@ def effective_decay(
                 f"`{name}` must be a number or an array, not a schedule: effective_decay "
                 "reads one step; pass the schedule's value at that step."
             )
-    no_lr_needed = not coupled and convention == "constant"
-    for name in ("learning_rate", "weight_decay", "eps", "eps_root"):
-        if name == "learning_rate" and values[name] is None and no_lr_needed:
-            continue  # decoupled "constant" does not use it (decay_rate accepts None there too)
+    if learning_rate is not None or coupled or convention != "constant":
+        V.check_non_negative("learning_rate", learning_rate)  # decoupled "constant": unused
+    for name in ("weight_decay", "eps", "eps_root"):
         V.check_non_negative(name, values[name])
     V.check_beta("b2", b2)
     if peak_learning_rate is not None:  # checked even where the convention ignores it
         V.check_positive("peak_learning_rate", peak_learning_rate)
     decays = masks_lib.resolve_mask(mask, params)
     if not coupled:
-        s = decay_rate(weight_decay, convention, learning_rate, peak_learning_rate)
+        s = _decay_rate(weight_decay, convention, learning_rate, peak_learning_rate)  # checked
         return jax.tree.map(
             lambda p, m: jnp.full(jnp.shape(p), s if m else 0.0, jnp.float32), params, decays
         )

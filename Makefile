@@ -25,7 +25,7 @@ lint: $(STAMP)
 # Tests run in TEST_WORKERS pytest-xdist processes: one per core, at most 4 (each is a JAX
 # process of its own, a GiB or two; 0 runs them in this process). Compiling is single-threaded,
 # so two workers take the suite from 11.5 to 8.5 minutes on 2 cores (AMD EPYC, Zen 5; on the
-# 2-core Intel Xeon the project has now: 15-19 minutes).
+# 2-core Intel Xeon the project has now: 14-19 minutes).
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = min(4, len(os.sched_getaffinity(0))); print(n if n > 1 else 0)" 2>/dev/null || echo 0)
 
 test: lint

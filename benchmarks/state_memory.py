@@ -24,8 +24,14 @@ settings matter: under glibc, XLA's per-step temporaries above 32 MiB are mapped
 every step unless e.g. ``GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:``
 ``glibc.malloc.trim_threshold=4000000000`` is set (docs/memory.md); the run records them.
 
+``--step train`` times a training step instead: the same update after the gradient of
+``sum(tanh(x @ w))`` for a batch ``x`` of 4 rows, computed in the step. There the gradient is
+a temporary of the program, and the 8-bit kernel writes the transform's output in its buffer
+(``optax_decoupled.cpu_kernel.requantize_ema``); with the gradient an argument it cannot.
+
     python benchmarks/state_memory.py                    # 1e6, 1e7, 5e7
     python benchmarks/state_memory.py --sizes 1e6 --repeats 5 --json out.json
+    python benchmarks/state_memory.py --step train --dtypes int8
 
 Targets (issue 6): int8 state <= 0.27x float32 for large tensors; step time <= 1.5x float32.
 """
@@ -77,25 +83,45 @@ def _storage(name):
     return name
 
 
-def make_step(state_dtype):
+#: Rows of the batch of ``--step train``: small, so that the gradient costs little next to
+#: the update, yet is a matrix product's output, materialised in every program.
+TRAIN_BATCH = 4
+
+
+def make_step(state_dtype, kind: str = "update"):
+    """``(tx, step)``: ``step(params, state, data)`` jitted with the parameters and the state
+    donated. ``kind="update"``: ``data`` is the gradient (an argument of the program).
+    ``kind="train"``: ``data`` is a batch ``x`` of shape ``(TRAIN_BATCH, rows)`` and the
+    step computes the gradient of ``sum(tanh(x @ w))`` itself, as a training step does."""
     tx = od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype=_storage(state_dtype))
 
-    def step(params, state, grads):
+    def update(params, state, grads):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    return tx, jax.jit(step, donate_argnums=(0, 1))
+    def train(params, state, x):
+        grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"])))(params)
+        return update(params, state, grads)
+
+    return tx, jax.jit(update if kind == "update" else train, donate_argnums=(0, 1))
 
 
 def bench_size(
-    shape, repeats: int, rotation: str = "pairs", dtypes: tuple[str, ...] = STATE_DTYPES
+    shape,
+    repeats: int,
+    rotation: str = "pairs",
+    dtypes: tuple[str, ...] = STATE_DTYPES,
+    kind: str = "update",
 ) -> dict:
     key = jax.random.key(0)
     params0 = {"w": jax.random.normal(key, shape, jnp.float32)}
-    grads = {"w": 0.01 * jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32)}
+    if kind == "update":
+        grads = {"w": 0.01 * jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32)}
+    else:  # the batch (named `grads` below: what the step takes besides params and state)
+        grads = jax.random.normal(jax.random.fold_in(key, 2), (TRAIN_BATCH, shape[0]))
     runs = {}
     for sd in dtypes:
-        tx, step = make_step(sd)
+        tx, step = make_step(sd, kind)
         params = jax.tree.map(jnp.copy, params0)
         state = tx.init(params)
         sb = memory.state_bytes(state, params)
@@ -120,7 +146,7 @@ def bench_size(
         times["float32"] += f32_times
         anchor.update({sd: f32_times for sd in turn if sd != "float32"})
     n = int(np.prod(shape))
-    out = {"shape": list(shape), "num_params": n, "rotation": rotation}
+    out = {"shape": list(shape), "num_params": n, "rotation": rotation, "step": kind}
     for sd in dtypes:
         sb = runs[sd]["bytes"]
         out[sd] = {
@@ -175,6 +201,13 @@ def main(argv=None) -> list[dict]:
         default="pairs",
         help="time each dtype in turns with float32 (default), or all dtypes in one rotation",
     )
+    parser.add_argument(
+        "--step",
+        choices=("update", "train"),
+        default="update",
+        help="time the update step with the gradient as an argument (default), or a training "
+        "step that computes the gradient (of sum(tanh(x @ w)), a batch of 4) itself",
+    )
     args = parser.parse_args(argv)
     shapes = []
     for n in args.sizes:
@@ -195,6 +228,7 @@ def main(argv=None) -> list[dict]:
         "python": platform.python_version(),
         "repeats": args.repeats,
         "rotation": args.rotation,
+        "step": args.step,
         "dtypes": ["float32", *dict.fromkeys(args.dtypes)],
         # The allocator's settings change how much the temporaries cost (docs/memory.md).
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(MALLOC_ENV)},
@@ -205,7 +239,7 @@ def main(argv=None) -> list[dict]:
     results = []
     for shape in shapes:
         dtypes = ("float32", *dict.fromkeys(args.dtypes))
-        results.append(bench_size(shape, args.repeats, args.rotation, dtypes))
+        results.append(bench_size(shape, args.repeats, args.rotation, dtypes, args.step))
         print(markdown(results[-1:]).splitlines()[-1], flush=True)
         if args.json:  # after every size: a run stopped by a time limit keeps what it measured
             C.write_json(args.json, {"env": env, "results": results, "complete": False})
@@ -224,6 +258,12 @@ def main(argv=None) -> list[dict]:
         else "all dtypes in one rotation"
     )
     print(f"timing: {rotation}; ratios against the float32 steps of the same turns")
+    what = (
+        "the update step (gradient an argument)"
+        if args.step == "update"
+        else f"a training step (gradient of sum(tanh(x @ w)) computed in it, batch {TRAIN_BATCH})"
+    )
+    print(f"timed: {what}")
     if env["malloc_env"]:
         print(f"allocator settings: {env['malloc_env']}")
     print(markdown(results))

@@ -21,6 +21,19 @@ with the lookup table of :func:`~optax_decoupled.quantization.quantize_normalize
 whole update bit for bit against a NumPy float32 reference, and the encoder against XLA's
 on every float32 within 4096 ulps of every decision point of both maps.
 
+The transforms' output (Adam's :math:`\hat\mu/(\sqrt{\hat\nu}+\epsilon)`, AMSGrad's, Lion's
+sign; :class:`~optax_decoupled.moment_updates.AdamDirection`,
+:class:`~optax_decoupled.moment_updates.LionDirection`) is computed from the float32 moments
+before they are quantized, as bitsandbytes does. Where the gradient is computed in the same
+program (a training step) the kernel computes it in its pass too and writes it in the
+gradient's buffer (``requantize_ema(..., output=...)``); where the gradient is an argument
+of the jitted function (an update step of its own), XLA would have to copy it first, so the
+kernel writes a copy of the old codes instead, from which XLA computes the output, fused into
+the parameter update (``emit_old``). :func:`single_device_or` tells the two apart when the
+program is lowered. The kernel's output rounds each operation as XLA:CPU's program of the
+formula does (the bias corrections as multiplications by their reciprocals); XLA, fusing the
+output into the rest of a step, may contract a multiply-add, so the two can differ by an ulp.
+
 Only programs compiled for one device call the kernel: XLA cannot partition a custom call,
 so :func:`single_device_or` chooses when the program is lowered, and sharded programs (and
 ``shard_map`` bodies, :func:`in_manual_context`) keep XLA's loop. So do programs serialized
@@ -285,8 +298,11 @@ def _kernel_may_take(
 def applies(update: Any, stored: tuple[Any, ...], operands: tuple[Any, ...], dtype: Any) -> bool:
     """Whether :func:`requantize_ema` can compute ``update`` on these arguments: an
     :class:`~optax_decoupled.moment_updates.EmaMoments` with float32 coefficients, float32
-    arithmetic and gradient, and 2-D codes (inside ``vmap`` the batch is unstacked)."""
+    arithmetic and gradient, and 2-D codes (inside ``vmap`` the batch is unstacked), not on
+    a mesh with Explicit axes (whose sharded types only XLA's whole-array program keeps)."""
     arrays = (*operands, *(q.codes for q in stored))
+    if any(quant_lib._explicit_sharding(x) is not None for x in arrays):
+        return False
     if not _kernel_may_take(update, stored, operands, arrays):
         return False
     if jnp.dtype(dtype) != jnp.float32:
@@ -316,12 +332,56 @@ def _warn_unavailable() -> None:
     )
 
 
+def applies_output(output: Any, update: Any) -> bool:
+    """Whether :func:`requantize_ema` can compute the transform's ``output`` with ``update``
+    (an :class:`~optax_decoupled.moment_updates.AdamDirection` after Adam's or AMSGrad's
+    moments, a :class:`~optax_decoupled.moment_updates.LionDirection` after Lion's), all
+    its coefficients float32 scalars."""
+    if isinstance(output, moment_updates.AdamDirection):
+        if len(update.decays) != 2 or update.running_max != (output.amsgrad is not None):
+            return False
+        values = (output.bc1, output.bc2, output.eps, output.eps_root)
+    elif isinstance(output, moment_updates.LionDirection):
+        if len(update.decays) != 1 or update.running_max:
+            return False
+        values = (output.b1,)
+    else:
+        return False
+    return all(_f32_coefficient(v) is not None for v in values)
+
+
+def _output_coefficients(output: Any) -> jax.Array:
+    """The kernel's four output coefficients: Adam's ``[1 - b1^t, 1 - b2^t, eps, eps_root]``
+    (the kernel multiplies by the reciprocals of the first two, as XLA:CPU compiles a
+    division by a scalar), Lion's ``[1 - b1, b1, 0, 0]``, or zeros for no output."""
+    if isinstance(output, moment_updates.AdamDirection):
+        values = (output.bc1, output.bc2, output.eps, output.eps_root)
+    elif isinstance(output, moment_updates.LionDirection):
+        values = (1 - output.b1, output.b1, 0.0, 0.0)  # as jnp computes `1 - b1`
+    else:
+        values = (0.0,) * 4
+    return jnp.stack([_f32_coefficient(v) for v in values])
+
+
+def _output_layout(output: Any) -> dict[str, np.int64]:
+    """The kernel's attributes that describe ``output``."""
+    adam = isinstance(output, moment_updates.AdamDirection)
+    mode = 1 if adam else 2 if isinstance(output, moment_updates.LionDirection) else 0
+    return dict(
+        out_mode=np.int64(mode),
+        out_den=np.int64(output.denominator if adam else 0),
+        out_scale_num=np.int64(adam and output.scales_numerator),
+        out_scale_den=np.int64(adam and output.scales_denominator),
+    )
+
+
 def requantize_ema(
     update: moment_updates.EmaMoments,
     stored: tuple[quant_lib.QuantizedArray, ...],
     g: jax.Array,
     *,
     emit_old: bool = False,
+    output: Any = None,
 ) -> Any:
     """``quantize(update(*dequantize(stored), g))`` per moment, by the compiled kernel.
 
@@ -337,10 +397,19 @@ def requantize_ema(
     nothing. Without it the kernel writes the new moments to buffers of their own, and a
     caller that still reads ``stored`` afterwards makes XLA copy it first (measured:
     ``docs/memory.md``, Speed).
+
+    With ``output`` (where :func:`applies_output`; what the transforms use, through
+    :func:`optax_decoupled.storage.update_moments_and_output`) the result is ``(new, u)``:
+    the kernel also computes the transform's output ``u = output(new moments, old moments,
+    g)`` in the same pass, from the float32 moments before they are quantized, and writes it
+    in place of ``g`` (XLA copies ``g`` first when the program still needs it, e.g. when it
+    is an argument that is not donated). The new codes are written in place of ``stored``.
     """
     if not available():
         raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
-    args = [g, _coefficients(update)]
+    if output is not None and emit_old:
+        raise ValueError("`emit_old` and `output` are exclusive.")
+    args = [g, _coefficients(update), _output_coefficients(output)]
     out_types = []
     for q in stored:
         qmap = jnp.asarray(quant_lib._dynamic_map(q.signed))
@@ -350,20 +419,31 @@ def requantize_ema(
             jax.ShapeDtypeStruct(q.absmax.shape, jnp.float32),
         ]
     aliases = {}
+    if emit_old or output is not None:
+        for k in range(len(stored)):
+            aliases[3 + 4 * k + 2] = 2 * k
+            aliases[3 + 4 * k + 3] = 2 * k + 1
     if emit_old:
         out_types = out_types * 2
-        for k in range(len(stored)):
-            aliases[2 + 4 * k + 2] = 2 * k
-            aliases[2 + 4 * k + 3] = 2 * k + 1
+    if output is not None:
+        aliases[0] = len(out_types)
+        out_types.append(jax.ShapeDtypeStruct(g.shape, jnp.float32))
     call = jax.ffi.ffi_call(
         TARGET, out_types, vmap_method="sequential", input_output_aliases=aliases
     )
     outs = call(
         *args,
         **_layout(update),
+        **_output_layout(output),
         decode_limit=np.int64(_DECODE_LIMITS[DECODE]),
         emit_old=np.int64(emit_old),
     )
+    if output is not None:
+        new = tuple(
+            quant_lib.QuantizedArray(outs[2 * k], outs[2 * k + 1], q.signed)
+            for k, q in enumerate(stored)
+        )
+        return new, outs[-1]
     groups = [
         tuple(
             quant_lib.QuantizedArray(outs[o + 2 * k], outs[o + 2 * k + 1], q.signed)
@@ -450,7 +530,9 @@ def dispatch(
     kernel: Any,
     cpu_other: Any,
     other: Any,
-    return_old: bool,
+    return_old: bool = False,
+    output: Any = None,
+    argument_kernel: Any = None,
 ) -> Any:
     """How the storages run a moment update that a kernel :func:`applies` to:
     ``kernel(update, stored, g, emit_old=return_old)`` (:func:`requantize_ema` or
@@ -460,20 +542,58 @@ def dispatch(
     (:func:`platform_dependent`). All return the new moments shaped like ``stored``,
     with ``return_old`` as ``(new, old)``. ``update``'s traced coefficients (e.g. from
     ``optax.inject_hyperparams``) are passed as arguments: the branches are lowered apart
-    from the surrounding trace."""
+    from the surrounding trace.
+
+    With ``output`` (the transform's output, e.g. a
+    :class:`~optax_decoupled.moment_updates.AdamDirection`) every branch gets it as a fourth
+    argument and returns ``(new, u)``, ``u`` shaped like the first operand; the kernel is
+    called with ``output=``, which writes ``u`` in place of that operand. Where the operand
+    is an argument of the function being lowered (e.g. the gradient passed to a jitted
+    update), XLA would have to copy it first, and ``argument_kernel(update, stored,
+    operands, output)`` runs instead (see :func:`single_device_or`)."""
     n_stored, n_in = len(stored), len(stored) + len(operands)
     dynamic, rebuild = update.split_dynamic()
-    out_like = (stored, stored) if return_old else stored
+    out_dynamic, out_rebuild = output.split_dynamic() if output is not None else ((), None)
+    n_dyn = len(dynamic)
+    if output is not None:
+        out_like = (stored, jax.ShapeDtypeStruct(jnp.shape(operands[0]), jnp.float32))
+    else:
+        out_like = (stored, stored) if return_old else stored
 
     def branch(fn):
-        return lambda *args: fn(rebuild(args[n_in:]), args[:n_stored], args[n_stored:n_in])
+        def run(*args):
+            parts = (rebuild(args[n_in : n_in + n_dyn]), args[:n_stored], args[n_stored:n_in])
+            if output is not None:
+                parts += (out_rebuild(args[n_in + n_dyn :]),)
+            return fn(*parts)
 
-    single = branch(lambda u, s, ops: kernel(u, s, ops[0], emit_old=return_old))
+        return run
 
-    def on_cpu(*args):
-        return single_device_or(single, branch(cpu_other), *args, out_like=out_like)
+    if output is not None:
+        single = branch(lambda u, s, ops, o: kernel(u, s, ops[0], output=o))
+    else:
+        single = branch(lambda u, s, ops: kernel(u, s, ops[0], emit_old=return_old))
+    on_argument = None if argument_kernel is None else branch(argument_kernel)
+    operand_leaf = len(jax.tree.leaves(stored))  # the first operand's index among the leaves
 
-    return platform_dependent(*stored, *operands, *dynamic, cpu=on_cpu, default=branch(other))
+    def on_cpu(*args, non_cpu=None):
+        return single_device_or(
+            single,
+            branch(cpu_other),
+            *args,
+            out_like=out_like,
+            single_for_argument=on_argument,
+            argument_leaf=operand_leaf,
+            non_cpu=non_cpu,
+        )
+
+    args = (*stored, *operands, *dynamic, *out_dynamic)
+    if _TRACE_STATE_CLEAN is not None and _TRACE_STATE_CLEAN():  # eagerly
+        return platform_dependent(*args, cpu=on_cpu, default=branch(other))
+    # Traced, the primitive of single_device_or also chooses by platform: where it is not
+    # nested in jax.lax.platform_dependent's branch (a function of its own), its lowering
+    # sees whether the gradient is an argument of the jitted function (argument_kernel).
+    return on_cpu(*args, non_cpu=branch(other))
 
 
 def _trace_state_clean_or_none() -> Any:
@@ -538,24 +658,50 @@ _dispatch_p = jex_core.Primitive("optax_decoupled_single_device_or")
 _dispatch_p.multiple_results = True
 
 
-def single_device_or(single: Any, partitioned: Any, *args: Any, out_like: Any = None) -> Any:
+def single_device_or(
+    single: Any,
+    partitioned: Any,
+    *args: Any,
+    out_like: Any = None,
+    single_for_argument: Any = None,
+    argument_leaf: int = 0,
+    non_cpu: Any = None,
+) -> Any:
     """``single(*args)`` in a program compiled for one device, else ``partitioned(*args)``
     (also in programs lowered for ``jax.export``, which may run where the kernel is not
     registered).
 
-    Both must return the same pytree of arrays: shaped like ``out_like`` (a pytree of arrays
+    With ``single_for_argument``, that runs instead of ``single`` on one device where leaf
+    ``argument_leaf`` of ``args`` is an argument of the function (or region) being lowered
+    rather than computed in it, and in eager calls: ``single`` may then write in place of
+    that leaf, which XLA can do without a copy only for a value the program computes (e.g. a
+    gradient computed in the same training step; a donated argument of the jitted function
+    does not count, as donation only aliases the function's outputs).
+
+    With ``non_cpu``, that runs instead in programs for other platforms (in programs for
+    several platforms, including the CPU, chosen at run time against ``partitioned``, as
+    :func:`jax.lax.platform_dependent` does); without it, the caller runs this on CPUs only.
+
+    All must return the same pytree of arrays: shaped like ``out_like`` (a pytree of arrays
     or ``jax.ShapeDtypeStruct``) when it is given, else found by tracing ``partitioned``. The
-    choice is made when the surrounding ``jit`` is lowered (eagerly, by a ``jit`` of this call
-    on the arguments' devices).
+    choice is made when the surrounding ``jit`` is lowered (eagerly, by the arguments'
+    devices).
     """
     leaves, in_tree = jax.tree.flatten(args)
     out = jax.eval_shape(partitioned, *args) if out_like is None else out_like
     out_leaves, out_tree = jax.tree.flatten(out)
     out_avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out_leaves)
+
+    def flat(fn):
+        return None if fn is None else _flat(fn, in_tree)
+
     outs = _dispatch_p.bind(
         *leaves,
-        single=_flat(single, in_tree),
-        partitioned=_flat(partitioned, in_tree),
+        single=flat(single),
+        partitioned=flat(partitioned),
+        single_for_argument=flat(single_for_argument),
+        argument_leaf=argument_leaf,
+        non_cpu=flat(non_cpu),
         out_avals=out_avals,
     )
     return jax.tree.unflatten(out_tree, outs)
@@ -568,8 +714,8 @@ def _flat(fn, in_tree):
     return run
 
 
-def _dispatch_abstract_eval(*avals, single, partitioned, out_avals):
-    del avals, single, partitioned
+def _dispatch_abstract_eval(*avals, out_avals, **_):
+    del avals
     return list(out_avals)
 
 
@@ -591,19 +737,26 @@ def in_manual_context(*arrays: Any) -> bool:
     return False
 
 
-def _dispatch_impl(*args, single, partitioned, out_avals):
+def _dispatch_impl(
+    *args, single, partitioned, single_for_argument, argument_leaf, non_cpu, out_avals
+):
     """Eager evaluation: ``single`` where the arguments are on one device (what a ``jit`` on
     them would lower), else ``partitioned``, called directly. (A ``jit`` of a new lambda here
     recompiled on every eager call, and under ``jax.disable_jit`` re-entered this rule
     without end.)"""
-    del out_avals
+    del out_avals, argument_leaf
+    if single_for_argument is not None:
+        single = single_for_argument  # every argument here is the caller's array
     # Uncommitted arrays (e.g. injected hyperparameters, created on the default device) go
     # where the committed ones are, so only those count.
     devices = set()
     for a in args:
         if isinstance(a, jax.Array) and a.committed:
             devices |= set(a.sharding.device_set)
-    on_one_cpu = len(devices) <= 1 and all(d.platform == "cpu" for d in devices)
+    platforms = {d.platform for d in devices} or {jax.default_backend()}
+    if non_cpu is not None and "cpu" not in platforms:
+        return non_cpu(*args)
+    on_one_cpu = len(devices) <= 1 and platforms == {"cpu"}
     return (single if on_one_cpu else partitioned)(*args)
 
 
@@ -616,8 +769,25 @@ def _lowering_for_export(ctx: Any) -> bool:
     return bool(getattr(params, "for_export", False)) or len(platforms) > 1
 
 
-def _dispatch_lowering(ctx, *args, single, partitioned, out_avals):
+def _is_argument(value: Any) -> bool:
+    """Whether an MLIR value is an argument of its block (a function's, or a region's such
+    as a loop body's or a branch's), not the result of an operation."""
+    return isinstance(value, mlir.ir.BlockArgument)
+
+
+def _dispatch_lowering(
+    ctx, *args, single, partitioned, single_for_argument, argument_leaf, non_cpu, out_avals
+):
     del out_avals
+    platforms = tuple(getattr(ctx.module_context, "platforms", ()) or ())
+    if non_cpu is not None and platforms and "cpu" not in platforms:
+        return mlir.lower_fun(non_cpu, multiple_results=True)(ctx, *args)
+    if non_cpu is not None and len(platforms) > 1:
+
+        def by_platform(*a):
+            return jax.lax.platform_dependent(*a, cpu=partitioned, default=non_cpu)
+
+        return mlir.lower_fun(by_platform, multiple_results=True)(ctx, *args)
     # jit's context is a ShardingContext with the program's number of devices; other
     # contexts (e.g. inside shard_map) take the partitionable path. So do exported programs
     # (jax.export): they may be run where this package's kernel is not registered, and
@@ -627,26 +797,37 @@ def _dispatch_lowering(ctx, *args, single, partitioned, out_avals):
     single_device = num_devices == 1 and not _lowering_for_export(ctx)
     _calls_compiled += single_device
     fn = single if single_device else partitioned
+    if single_device and single_for_argument is not None and _is_argument(args[argument_leaf]):
+        fn = single_for_argument
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
-def _dispatch_batching(args, dims, *, single, partitioned, out_avals):
-    del out_avals
+def _dispatch_batching(args, dims, *, single, partitioned, single_for_argument, **params):
     unmapped = (None, getattr(batching, "not_mapped", None))
     in_axes = [None if d in unmapped else d for d in dims]
-    single_b = jax.vmap(single, in_axes=in_axes)
-    partitioned_b = jax.vmap(partitioned, in_axes=in_axes)
-    out = jax.eval_shape(partitioned_b, *args)
+    vmapped = [
+        None if f is None else jax.vmap(f, in_axes=in_axes)
+        for f in (single, partitioned, single_for_argument, params["non_cpu"])
+    ]
+    out = jax.eval_shape(vmapped[1], *args)
     out_avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out)
-    outs = _dispatch_p.bind(*args, single=single_b, partitioned=partitioned_b, out_avals=out_avals)
+    outs = _dispatch_p.bind(
+        *args,
+        single=vmapped[0],
+        partitioned=vmapped[1],
+        single_for_argument=vmapped[2],
+        argument_leaf=params["argument_leaf"],
+        non_cpu=vmapped[3],
+        out_avals=out_avals,
+    )
     return outs, [0] * len(outs)
 
 
-def _dispatch_jvp(primals, tangents, *, single, partitioned, out_avals):
+def _dispatch_jvp(primals, tangents, *, partitioned, **params):
     """Differentiates through the partitionable function (XLA's program: the kernel is a
     custom call without derivatives; both compute the same function). The primal outputs
     are still the primitive's: the kernel computes the values of a differentiated step."""
-    outs = _dispatch_p.bind(*primals, single=single, partitioned=partitioned, out_avals=out_avals)
+    outs = _dispatch_p.bind(*primals, partitioned=partitioned, **params)
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     _, out_tangents = jax.jvp(partitioned, list(primals), tangents)
     return outs, out_tangents
@@ -654,6 +835,6 @@ def _dispatch_jvp(primals, tangents, *, single, partitioned, out_avals):
 
 _dispatch_p.def_abstract_eval(_dispatch_abstract_eval)
 _dispatch_p.def_impl(_dispatch_impl)
-mlir.register_lowering(_dispatch_p, _dispatch_lowering)
+mlir.register_lowering(_dispatch_p, _dispatch_lowering, cacheable=False)
 batching.primitive_batchers[_dispatch_p] = _dispatch_batching
 ad.primitive_jvps[_dispatch_p] = _dispatch_jvp

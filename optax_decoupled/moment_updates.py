@@ -58,16 +58,9 @@ class EmaMoments:
         function that returns this update with them replaced by the given values. Python
         numbers stay in place (so ``1 - beta`` is still computed in Python, as before)."""
         values = (*self.decays, self.max_divisor)
-        where = [i for i, v in enumerate(values) if v is not None and not _is_number(v)]
-        arrays = tuple(jnp.asarray(values[i]) for i in where)
-
-        def rebuild(new_arrays):
-            new = list(values)
-            for i, a in zip(where, new_arrays, strict=True):
-                new[i] = a
-            return dataclasses.replace(self, decays=tuple(new[:-1]), max_divisor=new[-1])
-
-        return arrays, rebuild
+        return _split(
+            values, lambda v: dataclasses.replace(self, decays=tuple(v[:-1]), max_divisor=v[-1])
+        )
 
     @property
     def num_stored(self) -> int:
@@ -98,3 +91,88 @@ class EmaMoments:
 def _is_number(x: Any) -> bool:
     """A Python or NumPy scalar (kept as it is: jnp computes with it as the transforms did)."""
     return isinstance(x, int | float | np.number) and not isinstance(x, bool)
+
+
+def _split(values: tuple[Any, ...], rebuild_from: Any) -> tuple[tuple[jax.Array, ...], Any]:
+    """``split_dynamic`` for a dataclass whose fields are ``values`` (in field order):
+    the array values, and a function that puts new ones in their place."""
+    where = [i for i, v in enumerate(values) if v is not None and not _is_number(v)]
+    arrays = tuple(jnp.asarray(values[i]) for i in where)
+
+    def rebuild(new_arrays):
+        new = list(values)
+        for i, a in zip(where, new_arrays, strict=True):
+            new[i] = a
+        return rebuild_from(new)
+
+    return arrays, rebuild
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AdamDirection:
+    r"""Adam's output from its new moments, ``(new, old, g) -> u``, element-wise:
+
+    .. math::
+
+        u = \frac{n}{\sqrt{d + \epsilon_{root}} + \epsilon}, \qquad
+        n = \mu_t \text{ or } \mu_t / (1-\beta_1^t), \qquad
+        d = \nu_t / (1-\beta_2^t),\ \nu^{max}_t / (1-\beta_2^t) \text{ or } \nu^{max}_t
+
+    by ``amsgrad`` convention, as :func:`optax_decoupled.scale_by_adam` documents (``None``,
+    ``"pytorch"``, ``"optax"``, ``"paper"``). ``bc1``, ``bc2`` are the bias corrections
+    :math:`1-\beta_k^t`. A storage may compute it in the same pass as the moments
+    (:func:`optax_decoupled.storage.update_moments_and_output`).
+    """
+
+    bc1: Any
+    bc2: Any
+    eps: Any
+    eps_root: Any
+    amsgrad: str | None = None
+
+    @property
+    def scales_numerator(self) -> bool:
+        return self.amsgrad != "paper"
+
+    @property
+    def denominator(self) -> int:
+        """Which new moment the denominator is: 1 (:math:`\\nu`) or 2 (:math:`\\nu^{max}`)."""
+        return 1 if self.amsgrad is None else 2
+
+    @property
+    def scales_denominator(self) -> bool:
+        return self.amsgrad in (None, "pytorch")
+
+    def split_dynamic(self) -> tuple[tuple[jax.Array, ...], Any]:
+        """As :meth:`EmaMoments.split_dynamic`."""
+        values = (self.bc1, self.bc2, self.eps, self.eps_root)
+        names = ("bc1", "bc2", "eps", "eps_root")
+        return _split(
+            values, lambda v: dataclasses.replace(self, **dict(zip(names, v, strict=True)))
+        )
+
+    def __call__(self, new: tuple[jax.Array, ...], old: tuple[jax.Array, ...], g: jax.Array):
+        mu, den = new[0], new[self.denominator]
+        if self.scales_denominator:
+            den = den / jnp.asarray(self.bc2).astype(den.dtype)
+        numer = mu / jnp.asarray(self.bc1).astype(mu.dtype) if self.scales_numerator else mu
+        return (numer / (jnp.sqrt(den + self.eps_root) + self.eps)).astype(g.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LionDirection:
+    r"""Lion's output from its old momentum, ``(new, old, g) -> u``, element-wise:
+    :math:`u = \operatorname{sign}((1-\beta_1) g + \beta_1 \mu_{t-1})`
+    (:func:`optax_decoupled.scale_by_lion`)."""
+
+    b1: Any
+
+    def split_dynamic(self) -> tuple[tuple[jax.Array, ...], Any]:
+        """As :meth:`EmaMoments.split_dynamic`."""
+        return _split((self.b1,), lambda v: LionDirection(v[0]))
+
+    def __call__(self, new: tuple[jax.Array, ...], old: tuple[jax.Array, ...], g: jax.Array):
+        mu = old[0]
+        dt = jnp.promote_types(mu.dtype, g.dtype)  # bf16 momentum, f32 gradient: f32
+        b1 = self.b1
+        return jnp.sign((1 - b1) * g.astype(dt) + b1 * mu.astype(dt)).astype(g.dtype)

@@ -8,7 +8,10 @@ Every moment (Adam's :math:`\\mu`, :math:`\\nu`, AMSGrad's :math:`\\nu_{\\max}`,
 * ``write(value, like, signed)`` encodes an updated moment for storage.
 
 A storage may also have ``update(fn, stored, operands, like, signed)``, a fused
-read-modify-write that :func:`update_moments` uses when it exists (8-bit storage does).
+read-modify-write that :func:`update_moments` uses when it exists (8-bit storage does), and
+``update_with_output(fn, output, stored, g, signed)``, which also computes the transform's
+output, for :func:`update_moments_and_output` (8-bit storage, whose CPU kernel does both in
+one pass).
 
 ``signed`` says whether the moment can be negative (:math:`\\mu`) or not (:math:`\\nu`), which
 matters to quantized storage. The update itself is always computed in the compute dtype:
@@ -108,9 +111,10 @@ def update_moments(
     :func:`optax_decoupled.quantization.requantize`);
     for any other the result is exactly the read-compute-write above, which XLA fuses.
 
-    Transforms compute their output from ``read(stored)`` separately: XLA fuses that into
-    the rest of the step (e.g. the parameter update), and for float storage it is the same
-    expression (computed once). With ``return_old`` the result is ``(new, old)``, and the
+    A transform computes its output from ``read(stored)`` separately (through
+    :func:`update_moments_and_output`): XLA fuses that into the rest of the step (e.g. the
+    parameter update), and for float storage it is the same expression (computed once).
+    With ``return_old`` the result is ``(new, old)``, and the
     transform reads ``old`` instead of ``stored``: the same values, which 8-bit storage's
     CPU kernel copies while it updates ``stored`` in place (XLA would otherwise copy
     ``stored`` before the kernel overwrites it); other storages return ``stored`` itself.
@@ -130,6 +134,43 @@ def update_moments(
     if update is not None:
         return update(fn, stored, operands, like, signed, return_old=return_old)
     return _read_compute_write(store, fn, stored, operands, like, signed, return_old)
+
+
+def update_moments_and_output(
+    store: MomentStorage,
+    fn: Any,
+    output: Any,
+    stored: tuple[Any, ...],
+    g: jax.Array,
+    *,
+    signed: tuple[bool, ...],
+    step: jax.Array | None = None,
+) -> tuple[tuple[Any, ...], jax.Array]:
+    """``(new stored moments, u)``: :func:`update_moments` of ``fn`` with the gradient ``g``
+    as its operand, and the transform's output ``u = output(new, old, g)`` from the new
+    moments' values ``new = fn(*old, g)`` before they are stored and the old ones ``old =
+    read(stored)`` (e.g. :class:`~optax_decoupled.moment_updates.AdamDirection`).
+
+    A storage with an ``update_with_output(fn, output, stored, g, signed)`` method computes
+    both its own way: 8-bit storage, on CPU, in one pass of its compiled kernel, which
+    writes ``u`` in ``g``'s buffer when ``g`` is donated or a temporary of the program (see
+    :func:`optax_decoupled.cpu_kernel.requantize_ema`). Otherwise ``u`` is computed in XLA,
+    fused into the rest of the step, from the old moments that
+    ``update_moments(..., return_old=True)`` returns.
+    """
+    method = getattr(store, "update_with_output", None)
+    if method is not None:
+        return method(fn, output, tuple(stored), g, signed)
+    written, old = update_moments(
+        store, fn, stored, (g,), like=g, signed=signed, return_old=True, step=step
+    )
+    return written, _output_from(store, fn, output, old, g)
+
+
+def _output_from(store, fn, output, old, g):
+    """``output(fn(*old_values, g), old_values, g)`` for the stored moments ``old``."""
+    old_values = tuple(store.read(s, g) for s in old)
+    return output(fn(*old_values, g), old_values, g)
 
 
 def _bf16_kernel_applies(fn, stored, operands) -> bool:
@@ -493,6 +534,58 @@ class BlockwiseInt8Storage:
             dtype=dtype,
             kernel=self.cpu_kernel,
             return_old=return_old,
+        )
+
+    def update_with_output(
+        self,
+        fn: Any,
+        output: Any,
+        stored: tuple[Any, ...],
+        g: jax.Array,
+        signed: tuple[bool, ...],
+    ) -> tuple[tuple[Any, ...], jax.Array]:
+        """:func:`update_moments_and_output` for 8-bit moments: on CPU, where the compiled
+        kernel applies to the update and the output
+        (:func:`optax_decoupled.cpu_kernel.applies_output`), one pass of the kernel, which
+        writes the new codes in place and ``u`` in ``g``'s buffer; elsewhere :meth:`update`
+        and the output computed in XLA from the old moments."""
+        from optax_decoupled import cpu_kernel  # imports quantization, which imports nothing here
+
+        def xla(fn, stored, g, output, store=self):
+            written, old = store.update(fn, stored, (g,), g, signed, return_old=True)
+            return written, _output_from(store, fn, output, old, g)
+
+        quantized = all(isinstance(s, quant_lib.QuantizedArray) for s in stored)
+        dtype = jnp.promote_types(jnp.float32, jnp.result_type(g))
+        if not (
+            self.cpu_kernel
+            and quantized
+            and cpu_kernel.applies(fn, stored, (g,), dtype)
+            and cpu_kernel.applies_output(output, fn)
+        ):
+            return xla(fn, stored, g, output)
+
+        def other(u, qs, ops, o):
+            # The chunk loop on CPU (the whole arrays elsewhere), the output computed in XLA.
+            return xla(u, qs, ops[0], o, store=dataclasses.replace(self, cpu_kernel=False))
+
+        def on_argument(u, qs, ops, o):
+            # The gradient is an argument of the jitted function (or this runs eagerly): the
+            # kernel updates the moments in place and copies the old codes, from which XLA
+            # computes the output, fused into the parameter update, instead of copying the
+            # gradient for the kernel to overwrite (docs/memory.md, Speed).
+            written, old = cpu_kernel.requantize_ema(u, qs, ops[0], emit_old=True)
+            return written, _output_from(self, u, o, old, ops[0])
+
+        return cpu_kernel.dispatch(
+            fn,
+            stored,
+            (g,),
+            kernel=cpu_kernel.requantize_ema,
+            cpu_other=other,
+            other=other,
+            output=output,
+            argument_kernel=on_argument,
         )
 
 

@@ -32,7 +32,7 @@ from optax_decoupled import _validation as V
 from optax_decoupled import masks as masks_lib
 from optax_decoupled import quantization as quant_lib
 from optax_decoupled import storage as storage_lib
-from optax_decoupled.moment_updates import EmaMoments
+from optax_decoupled.moment_updates import AdamDirection, EmaMoments, LionDirection
 
 #: Weight-decay conventions of :func:`decoupled_weight_decay`.
 DECAY_CONVENTIONS = ("lr", "schedule", "constant", "corrected")
@@ -522,26 +522,18 @@ def scale_by_adam(
             max_divisor=bc2 if amsgrad == "optax" else None,
         )
 
+        # The output from the new moments (the table above).
+        direction = AdamDirection(bc1, bc2, eps, eps_root, amsgrad)
+
         def leaf(g, mu_s, nu_s, nu_max_s=None):
             g = jnp.asarray(g)
             stored = (mu_s, nu_s) if amsgrad is None else (mu_s, nu_s, nu_max_s)
             signed = (True, False, False)[: len(stored)]
-            # The stored moments are written by the storage, which may fuse this
-            # read-modify-write (8-bit storage does, chunk by chunk on CPU). The output is
-            # computed from `old`: the values of `stored` (see update_moments).
-            written, old = storage_lib.update_moments(
-                store, moments, stored, (g,), like=g, signed=signed, return_old=True, step=count
+            # The storage writes the moments and computes the output; it may fuse both
+            # (8-bit storage does, on CPU, in its compiled kernel).
+            written, u = storage_lib.update_moments_and_output(
+                store, moments, direction, stored, g, signed=signed, step=count
             )
-            new = moments(*(store.read(s, g) for s in old), g)
-            mu, nu = new[:2]
-            if amsgrad is None:
-                denom_sq = nu / bc2.astype(nu.dtype)
-            elif amsgrad == "pytorch":
-                denom_sq = new[2] / bc2.astype(nu.dtype)
-            else:  # "optax" keeps the max of the bias-corrected nu, "paper" of the raw nu
-                denom_sq = new[2]
-            numer = mu if amsgrad == "paper" else mu / bc1.astype(mu.dtype)
-            u = (numer / (jnp.sqrt(denom_sq + eps_root) + eps)).astype(g.dtype)
             return (u, *written)
 
         trees = (updates, state.mu, state.nu)
@@ -610,21 +602,13 @@ def scale_by_lion(
         momentum = EmaMoments((b2,), (1,))
         count = optax.safe_increment(state.count)
 
+        direction = LionDirection(b1)
+
         def leaf(g, mu_s):
             g = jnp.asarray(g)
-            (written,), (old,) = storage_lib.update_moments(
-                store,
-                momentum,
-                (mu_s,),
-                (g,),
-                like=g,
-                signed=(True,),
-                return_old=True,
-                step=count,
+            (written,), u = storage_lib.update_moments_and_output(
+                store, momentum, direction, (mu_s,), g, signed=(True,), step=count
             )
-            mu = store.read(old, g)
-            dt = jnp.promote_types(mu.dtype, g.dtype)  # bf16 momentum, f32 gradient: f32
-            u = jnp.sign((1 - b1) * g.astype(dt) + b1 * mu.astype(dt)).astype(g.dtype)
             return u, written
 
         u, mu = _map_unzip(leaf, updates, state.mu)

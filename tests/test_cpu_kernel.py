@@ -22,7 +22,7 @@ import pytest
 import optax_decoupled as od
 from optax_decoupled import cpu_kernel
 from optax_decoupled import quantization as Q
-from optax_decoupled.moment_updates import EmaMoments
+from optax_decoupled.moment_updates import AdamDirection, EmaMoments, LionDirection
 from optax_decoupled.storage import BlockwiseInt8Storage
 
 try:
@@ -171,6 +171,12 @@ def _np_quantize_blocks(x, signed):
 
 def _np_update(update, stored, g, size):
     """The kernel's computation in NumPy float32: per block, dequantize, average, requantize."""
+    _, new = _np_moments(update, stored, g, size)
+    return [_np_quantize_blocks(v, q.signed) for v, q in zip(new, stored, strict=True)]
+
+
+def _np_moments(update, stored, g, size):
+    """``(old, new)``: the dequantized moments and the averaged ones, in the block layout."""
     g = np.asarray(g, np.float32).reshape(-1)
     n_blocks, block = stored[0].codes.shape
     g = np.pad(g, (0, n_blocks * block - size)).reshape(n_blocks, block)
@@ -191,7 +197,28 @@ def _np_update(update, stored, g, size):
             prev = old[2]
             keep = (prev > seen) | np.isnan(prev)
             new.append(np.where(valid, np.where(keep, prev, seen), np.float32(0)))
-    return [_np_quantize_blocks(v, q.signed) for v, q in zip(new, stored, strict=True)]
+    return old, new
+
+
+def _np_output(direction, update, stored, g, size):
+    """The transform's output in NumPy float32, as the kernel computes it in its pass:
+    Adam's bias corrections as multiplications by their float32 reciprocals (how XLA:CPU
+    compiles a division by a scalar), Lion's sign from the old momentum."""
+    old, new = _np_moments(update, stored, g, size)
+    f32 = np.float32
+    gb = np.pad(np.asarray(g, f32).reshape(-1), (0, old[0].size - size)).reshape(old[0].shape)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        if isinstance(direction, AdamDirection):
+            n, d = new[0], new[direction.denominator]
+            if direction.scales_numerator:
+                n = n * (f32(1) / f32(direction.bc1))
+            if direction.scales_denominator:
+                d = d * (f32(1) / f32(direction.bc2))
+            u = n / (np.sqrt(d + f32(direction.eps_root)) + f32(direction.eps))
+        else:
+            t = f32(1 - direction.b1) * gb + f32(direction.b1) * old[0]
+            u = np.where(t > 0, f32(1), np.where(t < 0, f32(-1), t))
+    return u.reshape(-1)[:size]
 
 
 def _assert_equal_to_numpy(got, want):
@@ -315,6 +342,68 @@ def test_emit_old_copies_the_stored_moments(name, shape, block, donate, kernel_p
         chex.assert_trees_all_equal(jax.tree.map(np.asarray, stored), before)
 
 
+_BC1, _BC2 = np.float32(1 - 0.9**3), np.float32(1 - 0.999**3)
+OUTPUTS = {
+    "adam": ("adam", AdamDirection(_BC1, _BC2, 1e-8, 0.0)),
+    "adam-eps-root": ("adam", AdamDirection(_BC1, _BC2, 1e-6, 1e-9)),
+    "amsgrad-pytorch": ("amsgrad", AdamDirection(_BC1, _BC2, 1e-8, 0.0, "pytorch")),
+    "amsgrad-optax": ("amsgrad-divided", AdamDirection(_BC1, _BC2, 1e-8, 0.0, "optax")),
+    "amsgrad-paper": ("amsgrad", AdamDirection(_BC1, _BC2, 0.0, 0.0, "paper")),
+    "lion": ("lion", LionDirection(0.9)),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(OUTPUTS))
+@pytest.mark.parametrize("shape, block", [((300, 1001), 256), ((37, 53), 100), ((100,), 256)])
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+def test_output_equals_numpy(name, shape, block, donate, kernel_path):
+    """With `output` the kernel also computes the transform's output in its pass (the
+    gradient's buffer is donated, as a gradient computed in the step is, or not): the output
+    equals the NumPy reference bit for bit, and so do the new moments."""
+    update_name, direction = OUTPUTS[name]
+    update, k = UPDATES[update_name]
+    mu, nu, nu_max, g = _state(shape, block, key=len(name) + 2)
+    stored = (mu, nu, nu_max)[:k]
+    size = int(np.prod(shape))
+    want_moments = _np_update(update, stored, g, size)
+    want_u = _np_output(direction, update, stored, g, size).reshape(shape)
+    g_before = np.array(g)
+    step = jax.jit(
+        lambda s, g: cpu_kernel.requantize_ema(update, s, g, output=direction),
+        donate_argnums=(1,) if donate else (),
+    )
+    got, u = step(stored, g)
+    _assert_equal_to_numpy(got, want_moments)
+    np.testing.assert_array_equal(np.asarray(u), want_u)
+    if not donate:
+        np.testing.assert_array_equal(np.asarray(g), g_before)
+
+
+@needs_kernel
+def test_output_with_traced_coefficients_and_vmap():
+    """Coefficients as traced float32 scalars (`inject_hyperparams`, the bias corrections
+    from the step count) and a vmapped kernel: the same bits as the NumPy reference."""
+    update, _ = UPDATES["adam"]
+    shape, block = (4, 40, 64), 256
+    parts = [_state(shape[1:], block, key=10 + i) for i in range(shape[0])]
+    mu, nu, g = (jax.tree.map(lambda *x: jnp.stack(x), *[p[i] for p in parts]) for i in (0, 1, 3))
+
+    def one(mu, nu, g, bc1, bc2):
+        out = AdamDirection(bc1, bc2, 1e-8, 0.0)
+        return cpu_kernel.requantize_ema(update, (mu, nu), g, output=out)
+
+    got, u = jax.jit(jax.vmap(one, in_axes=(0, 0, 0, None, None)))(mu, nu, g, _BC1, _BC2)
+    for i, p in enumerate(parts):
+        size = int(np.prod(shape[1:]))
+        direction = AdamDirection(_BC1, _BC2, 1e-8, 0.0)
+        want = _np_output(direction, update, (p[0], p[1]), p[3], size).reshape(shape[1:])
+        np.testing.assert_array_equal(np.asarray(u[i]), want)
+        _assert_equal_to_numpy(
+            jax.tree.map(lambda x, i=i: x[i], got), _np_update(update, (p[0], p[1]), p[3], size)
+        )
+
+
 @needs_kernel
 def test_extreme_values_equal_numpy(kernel_path):
     """Zeros, tiny and huge gradients, +-inf and NaN in their own blocks and mixed."""
@@ -378,16 +467,35 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
 
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
     assert cpu_kernel.TARGET in compiled.as_text()
-    # The kernel writes the new codes and scales in place of the donated ones, and a copy of
-    # the old ones for the transform's output (computed from them, fused into the parameter
-    # update): XLA copies no codes itself, and its temporaries are that copy and nothing
-    # else, no float32 array of the parameter's size.
-    codes_copies = entry_copies(compiled.as_text(), "u8[")
-    assert not codes_copies, codes_copies
+    # The gradient is an argument: the kernel writes the new codes and scales in place of the
+    # donated ones, and a copy of the old ones for the transform's output (computed from
+    # them, fused into the parameter update): XLA copies no codes itself, and its
+    # temporaries are that copy and nothing else, no float32 array of the parameter's size.
+    text = compiled.as_text()
+    assert not entry_copies(text, "u8["), entry_copies(text, "u8[")
+    assert not entry_copies(text, "f32["), entry_copies(text, "f32[")
+    assert "out_mode = 0" in text and "emit_old = 1" in text
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp <= state_bytes + 4096, (temp, state_bytes)
     assert temp < params["w"].nbytes
+
+    # The gradient computed in the step (a training step): the kernel computes the output
+    # in its pass and writes it in the gradient's buffer, the new codes in place. No copies,
+    # no copy of the codes among the temporaries: they are the gradient and nothing else.
+    x = jnp.linspace(-1.0, 1.0, 8 * 300).reshape(8, 300)
+
+    def train_step(p, s):
+        g = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"])))(p)
+        return step(p, s, g)
+
+    compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state).compile()
+    text = compiled.as_text()
+    assert "out_mode = 1" in text and "emit_old = 0" in text
+    assert not entry_copies(text, "u8["), entry_copies(text, "u8[")
+    assert not entry_copies(text, "f32["), entry_copies(text, "f32[")
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= params["w"].nbytes + 64 * 1024, (temp, params["w"].nbytes)
     for platform in ("cuda", "tpu"):
         lowered = jax.jit(step).trace(params, state, params).lower(lowering_platforms=(platform,))
         assert cpu_kernel.TARGET not in lowered.as_text()

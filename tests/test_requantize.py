@@ -182,14 +182,22 @@ def test_mismatched_layouts_are_refused():
                 1e-3, weight_decay=0.1, mask=None, state_dtype=sd, variant="optax"
             ),
         ),
+        (
+            1e-3,
+            lambda sd: od.amsgrad(
+                1e-3, weight_decay=0.1, mask=None, state_dtype=sd, variant="paper", eps=0.0
+            ),
+        ),
+        (1e-3, lambda sd: od.adam_l2(1e-3, weight_decay=0.1, mask=None, state_dtype=sd)),
         (1e-4, lambda sd: od.lion(1e-4, weight_decay=0.3, mask=None, state_dtype=sd)),
     ],
-    ids=["adamw", "amsgrad", "amsgrad-optax", "lion"],
+    ids=["adamw", "amsgrad", "amsgrad-optax", "amsgrad-paper", "adam-l2", "lion"],
 )
 def test_optimizers_equal_the_unfused_storage(lr, make, kernel):
     """An int8 optimizer (fused: the compiled CPU kernel, or XLA's chunk loop) against the
     same storage with its fused `update` hidden (plain read-compute-write), over three steps,
-    parameters big enough for several chunks and with a padded last block."""
+    parameters big enough for several chunks and with a padded last block. The gradient is
+    computed in the step, so the kernel computes the transform's output in its pass too."""
 
     class Unfused:  # the MomentStorage protocol without `update`
         name = "int8-unfused"

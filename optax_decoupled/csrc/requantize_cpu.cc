@@ -8,8 +8,11 @@
 // AVX-512 versions (VBMI byte permutes, AVX-512F register permutes) and the encoder one
 // (an explicit gather), picked at run time on CPUs that have them; everything else is
 // portable C++ that the compiler vectorizes (target clones for AVX-512, AVX2 and baseline
-// x86-64). A second handler, OdEmaBf16 (at the end),
-// does the same moving averages on moments stored in bfloat16.
+// x86-64). With out_mode it also computes the transform's output (Adam's, AMSGrad's or
+// Lion's, AdamOutBlock/LionOutBlock) from each block's new float32 moments, before they are
+// quantized, and writes it to its own result, which the caller aliases with the gradient.
+// A second handler, OdEmaBf16 (at the end), does the same moving averages on moments stored
+// in bfloat16.
 //
 // The Python side (optax_decoupled/cpu_kernel.py) is the only caller. It passes the maps and
 // the encoder tables of optax_decoupled/quantization.py; this file adds no numerics of its
@@ -25,6 +28,7 @@
 // every decision point.
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -474,6 +478,37 @@ OD_AVX512 void EncodeBlockAvx512(const float* x, float factor, float scale, floa
 }
 #endif
 
+// The transform's output, computed from the block's new float32 moments as the transform
+// computes it in XLA (out_mode, below): Adam's
+//   u = n / (sqrt(d + eps_root) + eps),  n = mu [* 1/bc1],  d = den [* 1/bc2]
+// with den the new nu (Adam) or nu_max (AMSGrad), and the bias corrections applied as
+// multiplications by their float32 reciprocals, as XLA:CPU compiles a division by a scalar
+// (measured: docs/memory.md); sqrt and the last division are IEEE, as XLA's.
+OD_CLONES void AdamOutBlock(const float* __restrict mu, const float* __restrict den,
+                            int scale_num, float inv_bc1, int scale_den, float inv_bc2,
+                            float eps, float eps_root, int valid, float* __restrict out) {
+  for (int i = 0; i < valid; ++i) {
+    const float n = scale_num ? mu[i] * inv_bc1 : mu[i];
+    const float d = scale_den ? den[i] * inv_bc2 : den[i];
+    const float r = std::sqrt(d + eps_root);
+    out[i] = n / (r + eps);
+  }
+}
+
+// Lion's u = sign(c_g * g + c_mu * mu_old) from the old codes (before they are replaced),
+// sign as jnp.sign: +-1, a zero keeps its sign, NaN stays NaN. `out` may be `g` itself.
+OD_CLONES void LionOutBlock(const float* g, const uint8_t* __restrict codes,
+                            const float* __restrict qmap, float absmax, float c_g, float c_mu,
+                            int valid, float* out) {
+  for (int i = 0; i < valid; ++i) {
+    const float m = qmap[codes[i]] * absmax;
+    const float t1 = c_g * g[i];
+    const float t2 = c_mu * m;
+    const float t = t1 + t2;
+    out[i] = t > 0.0f ? 1.0f : (t < 0.0f ? -1.0f : t);
+  }
+}
+
 constexpr float kF32Max = 3.4028234663852886e38f;
 
 // Quantizes one block of float32 values x: absmax as jnp.max(jnp.abs(x)) saturated at
@@ -569,16 +604,24 @@ class ScopedFlushDenormals {
 constexpr int64_t kTaskElements = 1 << 16;
 
 ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
-                             ffi::Buffer<ffi::F32> coef, ffi::RemainingArgs rest,
-                             ffi::RemainingRets rets, int64_t n_ema, int64_t has_max,
-                             int64_t max_divide, int64_t power0, int64_t power1,
-                             int64_t decode_limit, int64_t emit_old) {
+                             ffi::Buffer<ffi::F32> coef, ffi::Buffer<ffi::F32> ocoef,
+                             ffi::RemainingArgs rest, ffi::RemainingRets rets, int64_t n_ema,
+                             int64_t has_max, int64_t max_divide, int64_t power0,
+                             int64_t power1, int64_t decode_limit, int64_t emit_old,
+                             int64_t out_mode, int64_t out_den, int64_t out_scale_num,
+                             int64_t out_scale_den) {
   const int64_t n_moments = n_ema + has_max;
   if (n_ema < 1 || n_ema > 2 || has_max < 0 || has_max > 1 || (has_max && n_ema != 2) ||
       power0 < 1 || power0 > 2 || power1 < 1 || power1 > 2) {
     return ffi::Error::InvalidArgument("requantize_ema: unsupported moment layout");
   }
-  const int64_t n_rets = 2 * n_moments * (emit_old ? 2 : 1);
+  // out_mode: 0 no output, 1 Adam's (from moment out_den: 1 nu, 2 nu_max), 2 Lion's.
+  if (out_mode < 0 || out_mode > 2 || (out_mode == 1 && (n_ema != 2 || out_den < 1 ||
+                                                         out_den >= n_ema + has_max)) ||
+      (out_mode == 2 && n_ema != 1) || ocoef.element_count() != 4) {
+    return ffi::Error::InvalidArgument("requantize_ema: unsupported output");
+  }
+  const int64_t n_rets = 2 * n_moments * (emit_old ? 2 : 1) + (out_mode ? 1 : 0);
   if (rest.size() != static_cast<size_t>(4 * n_moments) ||
       rets.size() != static_cast<size_t>(n_rets)) {
     return ffi::Error::InvalidArgument("requantize_ema: wrong number of operands");
@@ -656,6 +699,16 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
   }
   const float* c = coef.typed_data();
   const float* gd = g.typed_data();
+  float* out_d = nullptr;  // the transform's output (out_mode), possibly g's own buffer
+  if (out_mode) {
+    auto out = rets.get<ffi::Buffer<ffi::F32>>(n_rets - 1);
+    if (!out.has_value() || static_cast<int64_t>((*out)->element_count()) != size) {
+      return ffi::Error::InvalidArgument("requantize_ema: output must be shaped like g");
+    }
+    out_d = (*out)->typed_data();
+  }
+  const float* oc = ocoef.typed_data();
+  const float inv_bc1 = 1.0f / oc[0], inv_bc2 = 1.0f / oc[1];
   const int powers[2] = {static_cast<int>(power0), static_cast<int>(power1)};
   const int64_t blocks_per_task = std::max<int64_t>(1, kTaskElements / block);
   const int64_t n_tasks = (n_blocks + blocks_per_task - 1) / blocks_per_task;
@@ -719,6 +772,16 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
           running_max(values.data() + block, codes_in[2] + off, enc[2].qmap, absmax_in[2][blk],
                       divide, c[4], valid, b, out);
         }
+      }
+      // The output, after every read of g (it may be written in g's place) and before the
+      // new codes replace the old (Lion's reads those).
+      if (out_mode == 1) {
+        AdamOutBlock(values.data(), values.data() + out_den * block,
+                     static_cast<int>(out_scale_num), inv_bc1, static_cast<int>(out_scale_den),
+                     inv_bc2, oc[2], oc[3], valid, out_d + off);
+      } else if (out_mode == 2) {
+        LionOutBlock(gd + off, codes_in[0] + off, enc[0].qmap, absmax_in[0][blk], oc[0], oc[1],
+                     valid, out_d + off);
       }
       for (int64_t k = 0; k < n_moments; ++k) {
         if (!vbmi) {
@@ -924,15 +987,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OdRequantizeEma, RequantizeEmaImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gradient, any shape
                                   .Arg<ffi::Buffer<ffi::F32>>()  // coefficients
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // output coefficients
                                   .RemainingArgs()  // (map, table, codes, absmax)...
-                                  .RemainingRets()  // (codes, absmax)... [old (codes, absmax)...]
+                                  // (codes, absmax)... [old (codes, absmax)...] [output]
+                                  .RemainingRets()
                                   .Attr<int64_t>("n_ema")
                                   .Attr<int64_t>("has_max")
                                   .Attr<int64_t>("max_divide")
                                   .Attr<int64_t>("power0")
                                   .Attr<int64_t>("power1")
                                   .Attr<int64_t>("decode_limit")
-                                  .Attr<int64_t>("emit_old"));
+                                  .Attr<int64_t>("emit_old")
+                                  .Attr<int64_t>("out_mode")
+                                  .Attr<int64_t>("out_den")
+                                  .Attr<int64_t>("out_scale_num")
+                                  .Attr<int64_t>("out_scale_den"));
 
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* OdEmaBf16(
     XLA_FFI_CallFrame* call_frame);

@@ -174,11 +174,21 @@ def check_block_placement(codes, param, problems):
             problems.append(f"codes {s.index} on {s.device}, its rows elsewhere")
 
 
-def same(a, b):
-    return all(
-        x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
+def same(a, b, ulps=0):
+    """Equal leaves, or float leaves at most ``ulps`` units in the last place apart."""
+
+    def close(x, y):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape:
+            return False
+        if not ulps or not np.issubdtype(x.dtype, np.floating):
+            return np.array_equal(x, y, equal_nan=True)
+        finite = np.isfinite(x) & np.isfinite(y)
+        if not np.array_equal(x[~finite], y[~finite], equal_nan=True):
+            return False
+        return bool(np.all(np.abs(x - y)[finite] <= ulps * np.spacing(np.abs(y[finite]))))
+
+    return all(close(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
 #: How far the sharded run may drift from the one-device run in STEPS more steps, relative to
@@ -248,7 +258,11 @@ def run_mesh(kind, mesh, state_dtypes, results):
             check_moments(tx, state, params, "jit init", problems)
             updates, state = jax.jit(tx.update)(grads, state, params)
             check_moments(tx, state, params, "jit update", problems)
-            if not same(state, ref_state) or not same(updates, ref_updates):
+            # 8-bit state: where the gradient is computed in the step (adam_l2's g + wd p),
+            # the one-device kernel computes the output too, each operation rounded, where
+            # XLA's program may contract a multiply-add: up to a few ulps.
+            ulps = 4 if sd == "int8" else 0
+            if not same(state, ref_state) or not same(updates, ref_updates, ulps):
                 problems.append("state or updates differ from the one-device step")
             for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params), strict=True):
                 if not u.sharding.is_equivalent_to(p.sharding, u.ndim):

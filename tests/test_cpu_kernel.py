@@ -747,3 +747,127 @@ def test_without_the_extension_the_xla_loop_is_used(monkeypatch):
         monkeypatch.undo()
         cpu_kernel._register.cache_clear()
     assert cpu_kernel.available() or NO_KERNEL
+
+
+# --- The output in the kernel, in training steps, under Optax's wrappers ---------------------
+
+
+def _wrapped(name, storage):
+    """An 8-bit optimizer under one of Optax's wrappers, every tensor quantized."""
+    if name == "lion":
+        return od.lion(1e-4, weight_decay=0.3, mask=None, state_dtype=storage)
+    make = {
+        "adamw": lambda: od.adamw(1e-3, weight_decay=0.1, state_dtype=storage),
+        "inject_hyperparams": lambda: optax.inject_hyperparams(od.adamw)(
+            learning_rate=1e-3, b1=0.8, weight_decay=0.1, state_dtype=storage
+        ),
+        "apply_if_finite": lambda: optax.apply_if_finite(
+            od.amsgrad(1e-3, weight_decay=0.1, state_dtype=storage), max_consecutive_errors=5
+        ),
+        "multi_steps": lambda: optax.MultiSteps(
+            od.adamw(1e-3, weight_decay=0.1, state_dtype=storage), every_k_schedule=2
+        ),
+        "multi_transform": lambda: optax.multi_transform(
+            {
+                "l2": od.adam_l2(1e-3, weight_decay=0.1, state_dtype=storage),
+                "sgd": optax.sgd(1e-3),
+            },
+            {"dense": {"kernel": "l2", "bias": "sgd"}, "emb": "l2"},
+        ),
+    }
+    return make[name]()
+
+
+def _train_params():
+    return {
+        "dense": {
+            "kernel": jnp.linspace(-1.0, 1.0, 96 * 80).reshape(96, 80),
+            "bias": jnp.ones(80),
+        },
+        "emb": jnp.cos(jnp.linspace(0.0, 9.0, 50 * 70)).reshape(50, 70),
+    }
+
+
+def _loss(p, x, t):
+    h = jnp.tanh(x @ p["dense"]["kernel"] + p["dense"]["bias"])
+    return jnp.mean((h[:, :70] @ p["emb"].T - t) ** 2)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "name",
+    ["adamw", "lion", "inject_hyperparams", "apply_if_finite", "multi_steps", "multi_transform"],
+)
+@pytest.mark.parametrize("loop", ["steps", "scan", "vmap"])
+def test_training_steps_equal_the_xla_loop(name, loop):
+    """Training steps that compute the gradient themselves (so the kernel computes the
+    transform's output in its pass and writes it in the gradient's buffer, where the
+    gradient reaches it as a value the program computed) against the same optimizer with
+    XLA's chunk loop, under Optax's wrappers, in a Python loop of jitted steps, a `lax.scan`
+    over steps and `vmap` over two batches; the fourth step's gradient is NaN where the
+    wrapper is `apply_if_finite`, which must skip it in both. Both runs round each operation
+    in float32, but XLA may contract a multiply-add: the tolerance is the one of the
+    optimizer tests against the unfused storage (test_requantize.py)."""
+    lr = 1e-4 if name == "lion" else 1e-3
+    xs = jnp.sin(jnp.arange(6 * 8 * 96, dtype=jnp.float32)).reshape(6, 8, 96)
+    ts = jnp.cos(jnp.arange(6 * 8 * 50, dtype=jnp.float32)).reshape(6, 8, 50)
+    if name == "apply_if_finite":
+        xs = xs.at[3, 0, 0].set(jnp.nan)
+    results, texts = [], []
+    for kernel in (True, False):
+        tx = _wrapped(name, BlockwiseInt8Storage(min_size=0, cpu_kernel=kernel))
+
+        def step(carry, batch, tx=tx):
+            p, s = carry
+            g = jax.grad(_loss)(p, *batch)
+            u, s = tx.update(g, s, p)
+            return (optax.apply_updates(p, u), s), None
+
+        params = _train_params()
+        carry = (params, tx.init(params))
+        if loop == "steps":
+            jitted = jax.jit(lambda c, b, step=step: step(c, b)[0], donate_argnums=0)
+            texts.append(jitted.lower(carry, (xs[0], ts[0])).compile().as_text())
+            for i in range(6):
+                carry = jitted(carry, (xs[i], ts[i]))
+        elif loop == "scan":
+            run = jax.jit(lambda c, step=step: jax.lax.scan(step, c, (xs, ts))[0])
+            texts.append(run.lower(carry).compile().as_text())
+            carry = run(carry)
+        else:  # two runs side by side, on batches 0-2 and 3-5
+            both = jax.tree.map(lambda x: jnp.stack([x, x]), carry)
+
+            def run(c, step=step):
+                def three(c, xs, ts):
+                    for i in range(3):
+                        c = step(c, (xs[i], ts[i]))[0]
+                    return c
+
+                return jax.vmap(three)(c, xs.reshape(2, 3, 8, 96), ts.reshape(2, 3, 8, 50))
+
+            run = jax.jit(run)
+            texts.append(run.lower(both).compile().as_text())
+            carry = run(both)
+        results.append(carry)
+    (p_kernel, s_kernel), (p_loop, s_loop) = results
+    assert cpu_kernel.TARGET in texts[0] and cpu_kernel.TARGET not in texts[1]
+    # MultiSteps and apply_if_finite update inside lax.cond, whose branches get the
+    # gradient as an argument: there the kernel writes the copy of the old codes instead.
+    if name not in ("multi_steps", "apply_if_finite"):
+        assert "out_mode = 1" in texts[0] or "out_mode = 2" in texts[0]
+    for a, b in zip(jax.tree.leaves(p_kernel), jax.tree.leaves(p_loop), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.all(np.isfinite(a))
+        assert np.mean(~np.isclose(a, b, rtol=0, atol=1e-7)) < 2e-3
+        np.testing.assert_allclose(a, b, rtol=0, atol=0.05 * lr)
+    for a, b in zip(jax.tree.leaves(s_kernel), jax.tree.leaves(s_loop), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype == np.uint8:
+            assert np.abs(a.astype(np.int32) - b.astype(np.int32)).max() <= 2
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-12)
+    if name == "apply_if_finite":  # one step skipped in each run
+        counts = [int(np.max(np.asarray(s.notfinite_count))) for s in (s_kernel, s_loop)]
+        assert counts == [0, 0]
+        totals = [int(np.max(np.asarray(s.total_notfinite))) for s in (s_kernel, s_loop)]
+        assert totals == [1, 1]

@@ -44,7 +44,9 @@ The same library has a second handler, :func:`ema_bf16`, for moments stored in b
 (``state_dtype="bfloat16"`` of float32 parameters): one pass that widens each stored moment,
 applies the moving averages in float32 and writes the new moments, rounded to nearest-even,
 in place, with a copy of the old ones for the transform's output, where XLA:CPU's own
-program copies the old moments and makes two passes (``docs/memory.md``, *bfloat16 state*).
+program copies the old moments and makes two passes (``docs/memory.md``, *bfloat16 state*);
+like the 8-bit kernel it computes the transform's output in its pass where the gradient is
+computed in the program (``ema_bf16(..., output=...)``).
 It is chosen as the 8-bit kernel is (:func:`applies_bf16`, :func:`single_device_or`), and
 ``FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False)`` turns it off.
 
@@ -498,6 +500,7 @@ def ema_bf16(
     g: jax.Array,
     *,
     emit_old: bool = False,
+    output: Any = None,
 ) -> Any:
     """``update(*stored (as float32), g)`` rounded to bfloat16, by the compiled kernel.
 
@@ -505,20 +508,39 @@ def ema_bf16(
     ``update``'s float32 values (each multiply and add rounded, denormals flushed to zero as
     XLA:CPU computes) rounded to nearest-even, as ``jnp``'s ``astype`` rounds them. With
     ``emit_old`` the result is ``(new, old)`` and the new moments are written in
-    place of ``stored``, as :func:`requantize_ema` does for 8-bit moments.
+    place of ``stored``, as :func:`requantize_ema` does for 8-bit moments. With ``output``
+    (where :func:`applies_output`) the result is ``(new, u)``, the transform's output from
+    the new float32 moments before they are rounded, written in place of ``g``, as
+    :func:`requantize_ema` computes it; the new moments are written in place of ``stored``.
     """
     if not available():
         raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
+    if output is not None and emit_old:
+        raise ValueError("`emit_old` and `output` are exclusive.")
     out_types = [jax.ShapeDtypeStruct(m.shape, jnp.bfloat16) for m in stored]
     aliases = {}
+    if emit_old or output is not None:
+        aliases = {3 + k: k for k in range(len(stored))}
     if emit_old:
         out_types = out_types * 2
-        aliases = {2 + k: k for k in range(len(stored))}
+    if output is not None:
+        aliases[0] = len(out_types)
+        out_types.append(jax.ShapeDtypeStruct(g.shape, jnp.float32))
     call = jax.ffi.ffi_call(
         BF16_TARGET, out_types, vmap_method="sequential", input_output_aliases=aliases
     )
-    outs = call(g, _coefficients(update), *stored, **_layout(update), emit_old=np.int64(emit_old))
+    outs = call(
+        g,
+        _coefficients(update),
+        _output_coefficients(output),
+        *stored,
+        **_layout(update),
+        **_output_layout(output),
+        emit_old=np.int64(emit_old),
+    )
     n = len(stored)
+    if output is not None:
+        return tuple(outs[:n]), outs[-1]
     return (tuple(outs[:n]), tuple(outs[n:])) if emit_old else tuple(outs)
 
 

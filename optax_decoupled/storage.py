@@ -151,20 +151,57 @@ def update_moments_and_output(
     moments' values ``new = fn(*old, g)`` before they are stored and the old ones ``old =
     read(stored)`` (e.g. :class:`~optax_decoupled.moment_updates.AdamDirection`).
 
-    A storage with an ``update_with_output(fn, output, stored, g, signed)`` method computes
-    both its own way: 8-bit storage, on CPU, in one pass of its compiled kernel, which
+    A storage with an ``update_with_output(fn, output, stored, g, signed)`` method (and no
+    ``needs_step``) computes both its own way: 8-bit and bfloat16 storage, on CPU, in one
+    pass of their compiled kernels, which
     writes ``u`` in ``g``'s buffer when ``g`` is donated or a temporary of the program (see
     :func:`optax_decoupled.cpu_kernel.requantize_ema`). Otherwise ``u`` is computed in XLA,
     fused into the rest of the step, from the old moments that
     ``update_moments(..., return_old=True)`` returns.
     """
     method = getattr(store, "update_with_output", None)
-    if method is not None:
+    if method is not None and not getattr(store, "needs_step", False):
         return method(fn, output, tuple(stored), g, signed)
     written, old = update_moments(
         store, fn, stored, (g,), like=g, signed=signed, return_old=True, step=step
     )
     return written, _output_from(store, fn, output, old, g)
+
+
+def _xla_with_output(store, fn, output, stored, g, signed):
+    """The moments by ``store.update`` and the output in XLA, from the old moments."""
+    written, old = store.update(fn, stored, (g,), g, signed, return_old=True)
+    return written, _output_from(store, fn, output, old, g)
+
+
+def _kernel_with_output(store, kernel, fn, output, stored, g, signed):
+    """``update_with_output`` where a CPU kernel (``cpu_kernel.requantize_ema`` or
+    ``ema_bf16``) applies: in programs for one CPU device the kernel computes the moments
+    and the output in one pass, writing the output in place of the gradient; where the
+    gradient is an argument of the jitted function (or eagerly) the kernel writes a copy of
+    the old moments instead, from which XLA computes the output, fused into the parameter
+    update, rather than XLA copying the gradient for the kernel to overwrite
+    (``docs/memory.md``, Speed); elsewhere ``store``'s XLA program."""
+    from optax_decoupled import cpu_kernel
+
+    def other(u, ms, ops, o):
+        xla_store = dataclasses.replace(store, cpu_kernel=False)
+        return _xla_with_output(xla_store, u, o, ms, ops[0], signed)
+
+    def on_argument(u, ms, ops, o):
+        written, old = kernel(u, ms, ops[0], emit_old=True)
+        return written, _output_from(store, u, o, old, ops[0])
+
+    return cpu_kernel.dispatch(
+        fn,
+        tuple(stored),
+        (g,),
+        kernel=kernel,
+        cpu_other=other,
+        other=other,
+        output=output,
+        argument_kernel=on_argument,
+    )
 
 
 def _output_from(store, fn, output, old, g):
@@ -447,6 +484,32 @@ class FloatStorage:
             return_old=return_old,
         )
 
+    def update_with_output(
+        self,
+        fn: Any,
+        output: Any,
+        stored: tuple[Any, ...],
+        g: jax.Array,
+        signed: tuple[bool, ...],
+    ) -> tuple[tuple[Any, ...], jax.Array]:
+        """:func:`update_moments_and_output` for float moments: on CPU, for bfloat16 moments
+        where the compiled kernel applies to the update and the output, one pass of the
+        kernel (as 8-bit storage's, :meth:`BlockwiseInt8Storage.update_with_output`);
+        otherwise :meth:`update` and the output computed in XLA from the old moments.
+        (With stochastic rounding :func:`update_moments_and_output` does not call this: it
+        needs the step.)"""
+        from optax_decoupled import cpu_kernel
+
+        if (
+            not self.cpu_kernel
+            or jnp.dtype(self.dtype) != jnp.bfloat16
+            or self.compute_dtype(g) != jnp.float32
+            or not _bf16_kernel_applies(fn, stored, (g,))
+            or not cpu_kernel.applies_output(output, fn)
+        ):
+            return _xla_with_output(self, fn, output, stored, g, signed)
+        return _kernel_with_output(self, cpu_kernel.ema_bf16, fn, output, stored, g, signed)
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockwiseInt8Storage:
@@ -551,10 +614,6 @@ class BlockwiseInt8Storage:
         and the output computed in XLA from the old moments."""
         from optax_decoupled import cpu_kernel  # imports quantization, which imports nothing here
 
-        def xla(fn, stored, g, output, store=self):
-            written, old = store.update(fn, stored, (g,), g, signed, return_old=True)
-            return written, _output_from(store, fn, output, old, g)
-
         quantized = all(isinstance(s, quant_lib.QuantizedArray) for s in stored)
         dtype = jnp.promote_types(jnp.float32, jnp.result_type(g))
         if not (
@@ -563,30 +622,8 @@ class BlockwiseInt8Storage:
             and cpu_kernel.applies(fn, stored, (g,), dtype)
             and cpu_kernel.applies_output(output, fn)
         ):
-            return xla(fn, stored, g, output)
-
-        def other(u, qs, ops, o):
-            # The chunk loop on CPU (the whole arrays elsewhere), the output computed in XLA.
-            return xla(u, qs, ops[0], o, store=dataclasses.replace(self, cpu_kernel=False))
-
-        def on_argument(u, qs, ops, o):
-            # The gradient is an argument of the jitted function (or this runs eagerly): the
-            # kernel updates the moments in place and copies the old codes, from which XLA
-            # computes the output, fused into the parameter update, instead of copying the
-            # gradient for the kernel to overwrite (docs/memory.md, Speed).
-            written, old = cpu_kernel.requantize_ema(u, qs, ops[0], emit_old=True)
-            return written, _output_from(self, u, o, old, ops[0])
-
-        return cpu_kernel.dispatch(
-            fn,
-            stored,
-            (g,),
-            kernel=cpu_kernel.requantize_ema,
-            cpu_other=other,
-            other=other,
-            output=output,
-            argument_kernel=on_argument,
-        )
+            return _xla_with_output(self, fn, output, stored, g, signed)
+        return _kernel_with_output(self, cpu_kernel.requantize_ema, fn, output, stored, g, signed)
 
 
 def stored_sharding(stored: Any, param_sharding: Any) -> Any:

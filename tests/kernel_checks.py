@@ -1,10 +1,13 @@
 """Shared by the tests of the compiled CPU kernels (``test_cpu_kernel.py`` for 8-bit state,
 ``test_cpu_kernel_bf16.py`` for bfloat16 state): the skip for builds without the kernel, and
-what a compiled program copies."""
+what a compiled program copies, and the transforms' outputs the kernels are checked on."""
 
 import os
 
+import numpy as np
 import pytest
+
+from optax_decoupled.moment_updates import AdamDirection, LionDirection
 
 NO_KERNEL = os.environ.get("OPTAX_DECOUPLED_NO_KERNEL") == "1"
 needs_kernel = pytest.mark.skipif(
@@ -21,3 +24,17 @@ def entry_copies(hlo_text: str, type_prefix: str) -> list[str]:
         for line in entry.splitlines()
         if " copy(" in line and line.split("=", 1)[-1].strip().startswith(type_prefix)
     ]
+
+
+_BC1, _BC2 = np.float32(1 - 0.9**3), np.float32(1 - 0.999**3)
+#: The outputs (``requantize_ema``/``ema_bf16``'s ``output=``), each with the name of the
+#: moment update of the test files' ``UPDATES`` that it follows: Adam, with ``eps_root``,
+#: the three AMSGrad conventions and Lion, with the bias corrections of step 3.
+OUTPUTS = {
+    "adam": ("adam", AdamDirection(_BC1, _BC2, 1e-8, 0.0)),
+    "adam-eps-root": ("adam", AdamDirection(_BC1, _BC2, 1e-6, 1e-9)),
+    "amsgrad-pytorch": ("amsgrad", AdamDirection(_BC1, _BC2, 1e-8, 0.0, "pytorch")),
+    "amsgrad-optax": ("amsgrad-divided", AdamDirection(_BC1, _BC2, 1e-8, 0.0, "optax")),
+    "amsgrad-paper": ("amsgrad", AdamDirection(_BC1, _BC2, 0.0, 0.0, "paper")),
+    "lion": ("lion", LionDirection(0.9)),
+}

@@ -22,13 +22,13 @@ import pytest
 import optax_decoupled as od
 from optax_decoupled import cpu_kernel
 from optax_decoupled import quantization as Q
-from optax_decoupled.moment_updates import AdamDirection, EmaMoments, LionDirection
+from optax_decoupled.moment_updates import AdamDirection, EmaMoments
 from optax_decoupled.storage import BlockwiseInt8Storage
 
 try:
-    from tests.kernel_checks import NO_KERNEL, entry_copies, needs_kernel
+    from tests.kernel_checks import NO_KERNEL, OUTPUTS, entry_copies, needs_kernel
 except ImportError:  # tests/ itself is on sys.path (pytest's rootdir-less "prepend" import)
-    from kernel_checks import NO_KERNEL, entry_copies, needs_kernel
+    from kernel_checks import NO_KERNEL, OUTPUTS, entry_copies, needs_kernel
 
 
 @pytest.fixture(autouse=True)
@@ -342,17 +342,6 @@ def test_emit_old_copies_the_stored_moments(name, shape, block, donate, kernel_p
         chex.assert_trees_all_equal(jax.tree.map(np.asarray, stored), before)
 
 
-_BC1, _BC2 = np.float32(1 - 0.9**3), np.float32(1 - 0.999**3)
-OUTPUTS = {
-    "adam": ("adam", AdamDirection(_BC1, _BC2, 1e-8, 0.0)),
-    "adam-eps-root": ("adam", AdamDirection(_BC1, _BC2, 1e-6, 1e-9)),
-    "amsgrad-pytorch": ("amsgrad", AdamDirection(_BC1, _BC2, 1e-8, 0.0, "pytorch")),
-    "amsgrad-optax": ("amsgrad-divided", AdamDirection(_BC1, _BC2, 1e-8, 0.0, "optax")),
-    "amsgrad-paper": ("amsgrad", AdamDirection(_BC1, _BC2, 0.0, 0.0, "paper")),
-    "lion": ("lion", LionDirection(0.9)),
-}
-
-
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(OUTPUTS))
 @pytest.mark.parametrize("shape, block", [((300, 1001), 256), ((37, 53), 100), ((100,), 256)])
@@ -393,10 +382,11 @@ def test_output_with_traced_coefficients_and_vmap():
         out = AdamDirection(bc1, bc2, 1e-8, 0.0)
         return cpu_kernel.requantize_ema(update, (mu, nu), g, output=out)
 
-    got, u = jax.jit(jax.vmap(one, in_axes=(0, 0, 0, None, None)))(mu, nu, g, _BC1, _BC2)
+    direction = OUTPUTS["adam"][1]
+    bc1, bc2 = direction.bc1, direction.bc2
+    got, u = jax.jit(jax.vmap(one, in_axes=(0, 0, 0, None, None)))(mu, nu, g, bc1, bc2)
     for i, p in enumerate(parts):
         size = int(np.prod(shape[1:]))
-        direction = AdamDirection(_BC1, _BC2, 1e-8, 0.0)
         want = _np_output(direction, update, (p[0], p[1]), p[3], size).reshape(shape[1:])
         np.testing.assert_array_equal(np.asarray(u[i]), want)
         _assert_equal_to_numpy(

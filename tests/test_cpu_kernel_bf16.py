@@ -17,13 +17,13 @@ import pytest
 
 import optax_decoupled as od
 from optax_decoupled import cpu_kernel
-from optax_decoupled.moment_updates import EmaMoments
+from optax_decoupled.moment_updates import AdamDirection, EmaMoments
 from optax_decoupled.storage import FloatStorage, update_moments
 
 try:
-    from tests.kernel_checks import NO_KERNEL, entry_copies, needs_kernel
+    from tests.kernel_checks import NO_KERNEL, OUTPUTS, entry_copies, needs_kernel
 except ImportError:  # tests/ itself is on sys.path (pytest's rootdir-less "prepend" import)
-    from kernel_checks import NO_KERNEL, entry_copies, needs_kernel
+    from kernel_checks import NO_KERNEL, OUTPUTS, entry_copies, needs_kernel
 
 
 BF16 = ml_dtypes.bfloat16
@@ -55,6 +55,11 @@ def _ftz(x):
 
 def _np_update(update, stored, g):
     """The kernel's computation in NumPy float32, rounded to bfloat16."""
+    return [v.astype(BF16) for v in _np_moments(update, stored, g)[1]]
+
+
+def _np_moments(update, stored, g):
+    """``(old, new)`` float32 moments of the kernel's computation in NumPy, before rounding."""
     g = _ftz(np.asarray(g, np.float32))
     old = [_ftz(np.asarray(m).astype(np.float32)) for m in stored]
     new = []
@@ -69,7 +74,26 @@ def _np_update(update, stored, g):
                 seen = _ftz(seen / np.float32(update.max_divisor))
             prev = old[2]
             new.append(np.where((prev > seen) | np.isnan(prev), prev, seen))
-    return [v.astype(BF16) for v in new]
+    return old, new
+
+
+def _np_output(direction, update, stored, g):
+    """The transform's output as the kernel computes it (see test_cpu_kernel._np_output),
+    from the new float32 moments before rounding, denormals flushed."""
+    old, new = _np_moments(update, stored, g)
+    f32 = np.float32
+    with np.errstate(invalid="ignore", over="ignore", under="ignore", divide="ignore"):
+        if isinstance(direction, AdamDirection):
+            n, d = new[0], new[direction.denominator]
+            if direction.scales_numerator:
+                n = _ftz(n * (f32(1) / f32(direction.bc1)))
+            if direction.scales_denominator:
+                d = _ftz(d * (f32(1) / f32(direction.bc2)))
+            r = _ftz(np.sqrt(_ftz(d + f32(direction.eps_root))))
+            return _ftz(n / _ftz(r + f32(direction.eps)))
+        g = _ftz(np.asarray(g, f32))
+        t = _ftz(_ftz(f32(1 - direction.b1) * g) + _ftz(f32(direction.b1) * old[0]))
+        return np.where(t > 0, f32(1), np.where(t < 0, f32(-1), t))
 
 
 def _assert_bits_equal(got, want):
@@ -192,6 +216,32 @@ def test_traced_coefficients_and_vmap():
         _assert_bits_equal([x[i] for x in got], want)
 
 
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(OUTPUTS))
+@pytest.mark.parametrize("shape", [(300, 1001), (37, 53)], ids=["several-tasks", "small"])
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+def test_output_equals_numpy(name, shape, donate):
+    """With `output` the kernel also computes the transform's output in its pass, written in
+    place of the gradient (donated or not): the output equals the NumPy reference bit for
+    bit (NaN where it is NaN), and so do the new moments."""
+    update_name, direction = OUTPUTS[name]
+    update, k = UPDATES[update_name]
+    mu, nu, nu_max, g = _state(shape, key=len(name) + 3)
+    stored = (mu, nu, nu_max)[:k]
+    want_moments = _np_update(update, stored, g)
+    want_u = _np_output(direction, update, stored, g)
+    g_before = np.array(g)
+    step = jax.jit(
+        lambda s, g: cpu_kernel.ema_bf16(update, s, g, output=direction),
+        donate_argnums=(1,) if donate else (),
+    )
+    got, u = step(stored, g)
+    _assert_bits_equal(got, want_moments)
+    np.testing.assert_array_equal(np.asarray(u), want_u)
+    if not donate:
+        np.testing.assert_array_equal(np.asarray(g), g_before)
+
+
 def _step(tx):
     def step(p, s, g):
         u, s = tx.update(g, s, p)
@@ -205,6 +255,7 @@ OPTIMIZERS = {
     "amsgrad": lambda sd: od.amsgrad(1e-2, state_dtype=sd),
     "lion": lambda sd: od.lion(1e-3, weight_decay=0.1, mask=None, state_dtype=sd),
 }
+OPTIMIZERS_LR = {"adamw": 1e-2, "amsgrad": 1e-2, "lion": 1e-3}
 
 
 @needs_kernel
@@ -283,6 +334,57 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
     half = {"w": jnp.ones((30, 101), jnp.bfloat16)}
     text = jax.jit(_step(tx)).lower(half, tx.init(half), half).as_text()
     assert cpu_kernel.BF16_TARGET not in text
+
+    # The gradient computed in the step (a training step): the kernel computes the output in
+    # its pass, in the gradient's buffer; no copies, and the temporaries are the gradient.
+    x = jnp.linspace(-1.0, 1.0, 8 * 300).reshape(8, 300)
+
+    def train_step(p, s):
+        g = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"])))(p)
+        return step(p, s, g)
+
+    compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state).compile()
+    text = compiled.as_text()
+    assert cpu_kernel.BF16_TARGET in text and "out_mode = 1" in text
+    assert not entry_copies(text, "bf16["), entry_copies(text, "bf16[")
+    assert not entry_copies(text, "f32["), entry_copies(text, "f32[")
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= params["w"].nbytes + 64 * 1024, (temp, params["w"].nbytes)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_training_steps_equal_xla(name):
+    """Training steps computing their gradient (the kernel computes the output in its pass)
+    against XLA's own program: as test_optimizer_steps_equal_xla (the gradients of that test
+    plus a small multiple of the parameters, so that the step computes them)."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 300 * 1001).reshape(300, 1001), "b": jnp.ones(7)}
+
+    def train(tx):
+        def step(p, s, i):
+            g = jax.tree.map(lambda x, y: jnp.cos((37.0 + i) * x) + 1e-3 * y, params, p)
+            return _step(tx)(p, s, g)
+
+        return jax.jit(step, donate_argnums=(0, 1))
+
+    kernel_tx = OPTIMIZERS[name]("bfloat16")
+    xla_tx = OPTIMIZERS[name](FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False))
+    kernel_step, xla_step = train(kernel_tx), train(xla_tx)
+    text = kernel_step.lower(params, kernel_tx.init(params), 0.0).as_text()
+    assert cpu_kernel.BF16_TARGET in text and "out_mode = 0" not in text
+    p, s = jax.tree.map(jnp.copy, params), kernel_tx.init(params)
+    xp, xs = jax.tree.map(jnp.copy, params), xla_tx.init(params)
+    for i in range(4):
+        p, s = kernel_step(p, s, float(i))
+        xp, xs = xla_step(xp, xs, float(i))
+    chex.assert_trees_all_close(p, xp, rtol=0, atol=4 * OPTIMIZERS_LR[name] * 2**-7)
+    for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(xs), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype == BF16:
+            steps = np.abs(a.view(np.int16).astype(np.int32) - b.view(np.int16).astype(np.int32))
+            assert steps.max() <= 1 and (steps > 0).mean() < 1e-3, (steps > 0).mean()
+        else:
+            np.testing.assert_array_equal(a, b)
 
 
 @needs_kernel

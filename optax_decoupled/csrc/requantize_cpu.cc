@@ -12,7 +12,7 @@
 // Lion's, AdamOutBlock/LionOutBlock) from each block's new float32 moments, before they are
 // quantized, and writes it to its own result, which the caller aliases with the gradient.
 // A second handler, OdEmaBf16 (at the end), does the same moving averages on moments stored
-// in bfloat16.
+// in bfloat16, with the same optional output.
 //
 // The Python side (optax_decoupled/cpu_kernel.py) is the only caller. It passes the maps and
 // the encoder tables of optax_decoupled/quantization.py; this file adds no numerics of its
@@ -836,7 +836,20 @@ struct Bf16Args {
   float c_in[2], c_keep[2], divisor;
   int power[2];
   int n_ema, has_max, divide;
+  // The transform's output (out_mode, as in RequantizeEmaImpl): null without it; it may be
+  // g's own buffer. Adam's from moment 0 and moment `den`; Lion's from the old moment 0.
+  float* u;
+  int den, scale_num, scale_den;
+  float inv_bc1, inv_bc2, eps, eps_root;  // Adam
+  float c_g, c_mu;                        // Lion
 };
+
+// Adam's output from the new float32 moments, as AdamOutBlock computes it.
+inline float AdamOut(const Bf16Args& a, float mu, float den) {
+  const float n = a.scale_num ? mu * a.inv_bc1 : mu;
+  const float d = a.scale_den ? den * a.inv_bc2 : den;
+  return n / (std::sqrt(d + a.eps_root) + a.eps);
+}
 
 // A denormal as the signed zero that DAZ makes of it in arithmetic (a value that is only
 // compared and selected, like the running max's previous value, keeps its bits otherwise).
@@ -859,6 +872,18 @@ OD_CLONES void EmaBf16Range(const Bf16Args& a, int64_t begin, int64_t end) {
     uint16_t* __restrict m0 = a.out[0];
     const float ci = a.c_in[0], ck = a.c_keep[0];
     const bool sq = a.power[0] == 2;
+    if (a.u != nullptr) {  // Lion's sign from the old momentum (u may be g's buffer)
+      const float cg = a.c_g, cm = a.c_mu;
+      for (int64_t i = begin; i < end; ++i) {
+        const float gi = a.g[i], m = Bf16ToF32(m0[i]);
+        const float src = sq ? gi * gi : gi;
+        const float v = ci * src + ck * m;
+        const float t = cg * gi + cm * m;
+        m0[i] = F32ToBf16(v);
+        a.u[i] = t > 0.0f ? 1.0f : (t < 0.0f ? -1.0f : t);
+      }
+      return;
+    }
     for (int64_t i = begin; i < end; ++i) {
       const float src = sq ? g[i] * g[i] : g[i];
       const float t1 = ci * src;
@@ -872,6 +897,17 @@ OD_CLONES void EmaBf16Range(const Bf16Args& a, int64_t begin, int64_t end) {
   const float ci0 = a.c_in[0], ck0 = a.c_keep[0], ci1 = a.c_in[1], ck1 = a.c_keep[1];
   const bool sq0 = a.power[0] == 2, sq1 = a.power[1] == 2;
   if (!a.has_max) {
+    if (a.u != nullptr) {  // Adam's output (u may be g's buffer)
+      for (int64_t i = begin; i < end; ++i) {
+        const float gi = a.g[i], gg = gi * gi;
+        const float v0 = ci0 * (sq0 ? gg : gi) + ck0 * Bf16ToF32(m0[i]);
+        const float v1 = ci1 * (sq1 ? gg : gi) + ck1 * Bf16ToF32(m1[i]);
+        m0[i] = F32ToBf16(v0);
+        m1[i] = F32ToBf16(v1);
+        a.u[i] = AdamOut(a, v0, v1);
+      }
+      return;
+    }
     for (int64_t i = begin; i < end; ++i) {
       const float gi = g[i], gg = gi * gi;
       const float v0 = ci0 * (sq0 ? gg : gi) + ck0 * Bf16ToF32(m0[i]);
@@ -885,7 +921,7 @@ OD_CLONES void EmaBf16Range(const Bf16Args& a, int64_t begin, int64_t end) {
   const float d = a.divisor;
   const bool divide = a.divide != 0;
   for (int64_t i = begin; i < end; ++i) {
-    const float gi = g[i], gg = gi * gi;
+    const float gi = a.g[i], gg = gi * gi;
     const float v0 = ci0 * (sq0 ? gg : gi) + ck0 * Bf16ToF32(m0[i]);
     const float v1 = ci1 * (sq1 ? gg : gi) + ck1 * Bf16ToF32(m1[i]);
     const float seen = divide ? v1 / d : v1;
@@ -894,20 +930,28 @@ OD_CLONES void EmaBf16Range(const Bf16Args& a, int64_t begin, int64_t end) {
     m0[i] = F32ToBf16(v0);
     m1[i] = F32ToBf16(v1);
     m2[i] = F32ToBf16(v2);
+    if (a.u != nullptr) a.u[i] = AdamOut(a, v0, a.den == 1 ? v1 : v2);
   }
 }
 
 ffi::Error EmaBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> coef,
-                       ffi::RemainingArgs rest, ffi::RemainingRets rets, int64_t n_ema,
-                       int64_t has_max, int64_t max_divide, int64_t power0, int64_t power1,
-                       int64_t emit_old) {
+                       ffi::Buffer<ffi::F32> ocoef, ffi::RemainingArgs rest,
+                       ffi::RemainingRets rets, int64_t n_ema, int64_t has_max,
+                       int64_t max_divide, int64_t power0, int64_t power1, int64_t emit_old,
+                       int64_t out_mode, int64_t out_den, int64_t out_scale_num,
+                       int64_t out_scale_den) {
   const int64_t n_moments = n_ema + has_max;
   if (n_ema < 1 || n_ema > 2 || has_max < 0 || has_max > 1 || (has_max && n_ema != 2) ||
       power0 < 1 || power0 > 2 || power1 < 1 || power1 > 2) {
     return ffi::Error::InvalidArgument("ema_bf16: unsupported moment layout");
   }
-  if (rest.size() != static_cast<size_t>(n_moments) ||
-      rets.size() != static_cast<size_t>(n_moments * (emit_old ? 2 : 1))) {
+  if (out_mode < 0 || out_mode > 2 || (out_mode && emit_old) ||
+      (out_mode == 1 && (n_ema != 2 || out_den < 1 || out_den >= n_moments)) ||
+      (out_mode == 2 && n_ema != 1) || ocoef.element_count() != 4) {
+    return ffi::Error::InvalidArgument("ema_bf16: unsupported output");
+  }
+  const size_t n_rets = static_cast<size_t>(n_moments * (emit_old ? 2 : 1) + (out_mode ? 1 : 0));
+  if (rest.size() != static_cast<size_t>(n_moments) || rets.size() != n_rets) {
     return ffi::Error::InvalidArgument("ema_bf16: wrong number of operands");
   }
   if (coef.element_count() != 5) {
@@ -948,6 +992,24 @@ ffi::Error EmaBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffe
   a.n_ema = static_cast<int>(n_ema);
   a.has_max = static_cast<int>(has_max);
   a.divide = static_cast<int>(max_divide);
+  a.u = nullptr;
+  if (out_mode) {
+    auto u = rets.get<ffi::Buffer<ffi::F32>>(n_rets - 1);
+    if (!u.has_value() || static_cast<int64_t>((*u)->element_count()) != size) {
+      return ffi::Error::InvalidArgument("ema_bf16: output must be shaped like g");
+    }
+    a.u = (*u)->typed_data();
+    const float* oc = ocoef.typed_data();
+    a.den = static_cast<int>(out_den);
+    a.scale_num = static_cast<int>(out_scale_num);
+    a.scale_den = static_cast<int>(out_scale_den);
+    a.inv_bc1 = 1.0f / oc[0];
+    a.inv_bc2 = 1.0f / oc[1];
+    a.eps = oc[2];
+    a.eps_root = oc[3];
+    a.c_g = oc[0];
+    a.c_mu = oc[1];
+  }
   for (int64_t k = 0; k < n_moments && emit_old; ++k) {
     AdviseHugePages(a.old[k], static_cast<size_t>(size) * 2);
   }
@@ -1011,11 +1073,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OdEmaBf16, EmaBf16Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gradient, any shape
                                   .Arg<ffi::Buffer<ffi::F32>>()  // coefficients
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // output coefficients
                                   .RemainingArgs()  // stored bfloat16 moments
-                                  .RemainingRets()  // new moments [, old copies]
+                                  .RemainingRets()  // new moments [, old copies] [, output]
                                   .Attr<int64_t>("n_ema")
                                   .Attr<int64_t>("has_max")
                                   .Attr<int64_t>("max_divide")
                                   .Attr<int64_t>("power0")
                                   .Attr<int64_t>("power1")
-                                  .Attr<int64_t>("emit_old"));
+                                  .Attr<int64_t>("emit_old")
+                                  .Attr<int64_t>("out_mode")
+                                  .Attr<int64_t>("out_den")
+                                  .Attr<int64_t>("out_scale_num")
+                                  .Attr<int64_t>("out_scale_den"));

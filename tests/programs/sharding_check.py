@@ -258,10 +258,10 @@ def run_mesh(kind, mesh, state_dtypes, results):
             check_moments(tx, state, params, "jit init", problems)
             updates, state = jax.jit(tx.update)(grads, state, params)
             check_moments(tx, state, params, "jit update", problems)
-            # 8-bit state: where the gradient is computed in the step (adam_l2's g + wd p),
-            # the one-device kernel computes the output too, each operation rounded, where
-            # XLA's program may contract a multiply-add: up to a few ulps.
-            ulps = 4 if sd == "int8" else 0
+            # 8-bit and bfloat16 state: where the gradient is computed in the step (adam_l2's
+            # g + wd p), the one-device kernel computes the output too, each operation
+            # rounded, where XLA's program may contract a multiply-add: up to a few ulps.
+            ulps = 4 if sd in ("int8", "bfloat16") else 0
             if not same(state, ref_state) or not same(updates, ref_updates, ulps):
                 problems.append("state or updates differ from the one-device step")
             for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params), strict=True):

@@ -115,10 +115,10 @@ def bench_size(
 ) -> dict:
     key = jax.random.key(0)
     params0 = {"w": jax.random.normal(key, shape, jnp.float32)}
-    if kind == "update":
-        grads = {"w": 0.01 * jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32)}
-    else:  # the batch (named `grads` below: what the step takes besides params and state)
-        grads = jax.random.normal(jax.random.fold_in(key, 2), (TRAIN_BATCH, shape[0]))
+    if kind == "update":  # what the step takes besides params and state: the gradient
+        data = {"w": 0.01 * jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32)}
+    else:  # or the batch
+        data = jax.random.normal(jax.random.fold_in(key, 2), (TRAIN_BATCH, shape[0]))
     runs = {}
     for sd in dtypes:
         tx, step = make_step(sd, kind)
@@ -126,7 +126,7 @@ def bench_size(
         state = tx.init(params)
         sb = memory.state_bytes(state, params)
         t0 = time.perf_counter()
-        params, state = step(params, state, grads)  # compile + first step
+        params, state = step(params, state, data)  # compile + first step
         jax.block_until_ready((params, state))
         compile_s = time.perf_counter() - t0
         runs[sd] = {"step": step, "carry": (params, state), "bytes": sb, "compile_s": compile_s}
@@ -140,7 +140,7 @@ def bench_size(
             for sd in turn:
                 r = runs[sd]
                 t0 = time.perf_counter()
-                r["carry"] = r["step"](*r["carry"], grads)
+                r["carry"] = r["step"](*r["carry"], data)
                 jax.block_until_ready(r["carry"])
                 (f32_times if sd == "float32" else times[sd]).append(time.perf_counter() - t0)
         times["float32"] += f32_times

@@ -404,8 +404,9 @@ def requantize_ema(
     :func:`optax_decoupled.storage.update_moments_and_output`) the result is ``(new, u)``:
     the kernel also computes the transform's output ``u = output(new moments, old moments,
     g)`` in the same pass, from the float32 moments before they are quantized, and writes it
-    in place of ``g`` (XLA copies ``g`` first when the program still needs it, e.g. when it
-    is an argument that is not donated). The new codes are written in place of ``stored``.
+    in place of ``g`` (XLA copies ``g`` first when the program still needs it, or when it is
+    an argument of the jitted function, donated or not). The new codes are written in place
+    of ``stored``.
     """
     if not available():
         raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")

@@ -9,9 +9,9 @@ Every moment (Adam's :math:`\\mu`, :math:`\\nu`, AMSGrad's :math:`\\nu_{\\max}`,
 
 A storage may also have ``update(fn, stored, operands, like, signed)``, a fused
 read-modify-write that :func:`update_moments` uses when it exists (8-bit storage does), and
-``update_with_output(fn, output, stored, g, signed)``, which also computes the transform's
-output, for :func:`update_moments_and_output` (8-bit storage, whose CPU kernel does both in
-one pass).
+``output_kernel(fn, output, stored, g)``, the compiled CPU kernel that computes the moments
+and the transform's output in one pass, or ``None``, for :func:`update_moments_and_output`
+(8-bit and bfloat16 storage).
 
 ``signed`` says whether the moment can be negative (:math:`\\mu`) or not (:math:`\\nu`), which
 matters to quantized storage. The update itself is always computed in the compute dtype:
@@ -151,32 +151,27 @@ def update_moments_and_output(
     moments' values ``new = fn(*old, g)`` before they are stored and the old ones ``old =
     read(stored)`` (e.g. :class:`~optax_decoupled.moment_updates.AdamDirection`).
 
-    A storage with an ``update_with_output(fn, output, stored, g, signed)`` method (and no
-    ``needs_step``) computes both its own way: 8-bit and bfloat16 storage, on CPU, in one
-    pass of their compiled kernels, which
-    writes ``u`` in ``g``'s buffer when ``g`` is donated or a temporary of the program (see
-    :func:`optax_decoupled.cpu_kernel.requantize_ema`). Otherwise ``u`` is computed in XLA,
-    fused into the rest of the step, from the old moments that
-    ``update_moments(..., return_old=True)`` returns.
+    Where the storage's ``output_kernel(fn, output, stored, g)`` names a compiled CPU kernel
+    (8-bit and bfloat16 storage; not with stochastic rounding, which needs ``step``), that
+    kernel computes both in one pass on CPU and writes ``u`` in ``g``'s buffer when ``g`` is
+    a value the program computes, as in a training step (:func:`_kernel_with_output`).
+    Otherwise ``u`` is computed in XLA, fused into the rest of the step, from the old
+    moments that ``update_moments(..., return_old=True)`` returns.
     """
-    method = getattr(store, "update_with_output", None)
-    if method is not None and not getattr(store, "needs_step", False):
-        return method(fn, output, tuple(stored), g, signed)
+    kernel_for = getattr(store, "output_kernel", None)
+    if kernel_for is not None and not getattr(store, "needs_step", False):
+        kernel = kernel_for(fn, output, tuple(stored), g)
+        if kernel is not None:
+            return _kernel_with_output(store, kernel, fn, output, tuple(stored), g, signed)
     written, old = update_moments(
         store, fn, stored, (g,), like=g, signed=signed, return_old=True, step=step
     )
     return written, _output_from(store, fn, output, old, g)
 
 
-def _xla_with_output(store, fn, output, stored, g, signed):
-    """The moments by ``store.update`` and the output in XLA, from the old moments."""
-    written, old = store.update(fn, stored, (g,), g, signed, return_old=True)
-    return written, _output_from(store, fn, output, old, g)
-
-
 def _kernel_with_output(store, kernel, fn, output, stored, g, signed):
-    """``update_with_output`` where a CPU kernel (``cpu_kernel.requantize_ema`` or
-    ``ema_bf16``) applies: in programs for one CPU device the kernel computes the moments
+    """:func:`update_moments_and_output` where a CPU kernel (``cpu_kernel.requantize_ema``
+    or ``ema_bf16``) applies: in programs for one CPU device the kernel computes the moments
     and the output in one pass, writing the output in place of the gradient; where the
     gradient is an argument of the jitted function (or eagerly) the kernel writes a copy of
     the old moments instead, from which XLA computes the output, fused into the parameter
@@ -186,7 +181,8 @@ def _kernel_with_output(store, kernel, fn, output, stored, g, signed):
 
     def other(u, ms, ops, o):
         xla_store = dataclasses.replace(store, cpu_kernel=False)
-        return _xla_with_output(xla_store, u, o, ms, ops[0], signed)
+        written, old = xla_store.update(u, ms, ops, ops[0], signed, return_old=True)
+        return written, _output_from(xla_store, u, o, old, ops[0])
 
     def on_argument(u, ms, ops, o):
         written, old = kernel(u, ms, ops[0], emit_old=True)
@@ -484,31 +480,19 @@ class FloatStorage:
             return_old=return_old,
         )
 
-    def update_with_output(
-        self,
-        fn: Any,
-        output: Any,
-        stored: tuple[Any, ...],
-        g: jax.Array,
-        signed: tuple[bool, ...],
-    ) -> tuple[tuple[Any, ...], jax.Array]:
-        """:func:`update_moments_and_output` for float moments: on CPU, for bfloat16 moments
-        where the compiled kernel applies to the update and the output, one pass of the
-        kernel (as 8-bit storage's, :meth:`BlockwiseInt8Storage.update_with_output`);
-        otherwise :meth:`update` and the output computed in XLA from the old moments.
-        (With stochastic rounding :func:`update_moments_and_output` does not call this: it
-        needs the step.)"""
+    def output_kernel(self, fn: Any, output: Any, stored: tuple[Any, ...], g: jax.Array) -> Any:
+        """For :func:`update_moments_and_output`: ``cpu_kernel.ema_bf16`` where it applies to
+        the update and the output (bfloat16 moments computed in float32), else ``None``."""
         from optax_decoupled import cpu_kernel
 
-        if (
-            not self.cpu_kernel
-            or jnp.dtype(self.dtype) != jnp.bfloat16
-            or self.compute_dtype(g) != jnp.float32
-            or not _bf16_kernel_applies(fn, stored, (g,))
-            or not cpu_kernel.applies_output(output, fn)
-        ):
-            return _xla_with_output(self, fn, output, stored, g, signed)
-        return _kernel_with_output(self, cpu_kernel.ema_bf16, fn, output, stored, g, signed)
+        applies = (
+            self.cpu_kernel
+            and jnp.dtype(self.dtype) == jnp.bfloat16
+            and self.compute_dtype(g) == jnp.float32
+            and _bf16_kernel_applies(fn, stored, (g,))
+            and cpu_kernel.applies_output(output, fn)
+        )
+        return cpu_kernel.ema_bf16 if applies else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -599,31 +583,20 @@ class BlockwiseInt8Storage:
             return_old=return_old,
         )
 
-    def update_with_output(
-        self,
-        fn: Any,
-        output: Any,
-        stored: tuple[Any, ...],
-        g: jax.Array,
-        signed: tuple[bool, ...],
-    ) -> tuple[tuple[Any, ...], jax.Array]:
-        """:func:`update_moments_and_output` for 8-bit moments: on CPU, where the compiled
-        kernel applies to the update and the output
-        (:func:`optax_decoupled.cpu_kernel.applies_output`), one pass of the kernel, which
-        writes the new codes in place and ``u`` in ``g``'s buffer; elsewhere :meth:`update`
-        and the output computed in XLA from the old moments."""
+    def output_kernel(self, fn: Any, output: Any, stored: tuple[Any, ...], g: jax.Array) -> Any:
+        """For :func:`update_moments_and_output`: ``cpu_kernel.requantize_ema`` where it
+        applies to the update and the output (:func:`optax_decoupled.cpu_kernel.applies`,
+        :func:`~optax_decoupled.cpu_kernel.applies_output`), else ``None``."""
         from optax_decoupled import cpu_kernel  # imports quantization, which imports nothing here
 
-        quantized = all(isinstance(s, quant_lib.QuantizedArray) for s in stored)
         dtype = jnp.promote_types(jnp.float32, jnp.result_type(g))
-        if not (
+        applies = (
             self.cpu_kernel
-            and quantized
+            and all(isinstance(s, quant_lib.QuantizedArray) for s in stored)
             and cpu_kernel.applies(fn, stored, (g,), dtype)
             and cpu_kernel.applies_output(output, fn)
-        ):
-            return _xla_with_output(self, fn, output, stored, g, signed)
-        return _kernel_with_output(self, cpu_kernel.requantize_ema, fn, output, stored, g, signed)
+        )
+        return cpu_kernel.requantize_ema if applies else None
 
 
 def stored_sharding(stored: Any, param_sharding: Any) -> Any:

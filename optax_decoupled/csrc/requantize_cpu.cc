@@ -484,19 +484,27 @@ OD_AVX512 void EncodeBlockAvx512(const float* x, float factor, float scale, floa
 // with den the new nu (Adam) or nu_max (AMSGrad), and the bias corrections applied as
 // multiplications by their float32 reciprocals, as XLA:CPU compiles a division by a scalar
 // (measured: docs/memory.md); sqrt and the last division are IEEE, as XLA's.
+inline float AdamOutValue(float mu, float den, int scale_num, float inv_bc1, int scale_den,
+                          float inv_bc2, float eps, float eps_root) {
+  const float n = scale_num ? mu * inv_bc1 : mu;
+  const float d = scale_den ? den * inv_bc2 : den;
+  const float r = std::sqrt(d + eps_root);
+  return n / (r + eps);
+}
+
+// jnp.sign of Lion's interpolation: +-1, a zero keeps its sign, NaN stays NaN.
+inline float SignOf(float t) { return t > 0.0f ? 1.0f : (t < 0.0f ? -1.0f : t); }
+
 OD_CLONES void AdamOutBlock(const float* __restrict mu, const float* __restrict den,
                             int scale_num, float inv_bc1, int scale_den, float inv_bc2,
                             float eps, float eps_root, int valid, float* __restrict out) {
   for (int i = 0; i < valid; ++i) {
-    const float n = scale_num ? mu[i] * inv_bc1 : mu[i];
-    const float d = scale_den ? den[i] * inv_bc2 : den[i];
-    const float r = std::sqrt(d + eps_root);
-    out[i] = n / (r + eps);
+    out[i] = AdamOutValue(mu[i], den[i], scale_num, inv_bc1, scale_den, inv_bc2, eps, eps_root);
   }
 }
 
-// Lion's u = sign(c_g * g + c_mu * mu_old) from the old codes (before they are replaced),
-// sign as jnp.sign: +-1, a zero keeps its sign, NaN stays NaN. `out` may be `g` itself.
+// Lion's u = sign(c_g * g + c_mu * mu_old) from the old codes (before they are replaced).
+// `out` may be `g` itself.
 OD_CLONES void LionOutBlock(const float* g, const uint8_t* __restrict codes,
                             const float* __restrict qmap, float absmax, float c_g, float c_mu,
                             int valid, float* out) {
@@ -504,8 +512,7 @@ OD_CLONES void LionOutBlock(const float* g, const uint8_t* __restrict codes,
     const float m = qmap[codes[i]] * absmax;
     const float t1 = c_g * g[i];
     const float t2 = c_mu * m;
-    const float t = t1 + t2;
-    out[i] = t > 0.0f ? 1.0f : (t < 0.0f ? -1.0f : t);
+    out[i] = SignOf(t1 + t2);
   }
 }
 
@@ -846,9 +853,8 @@ struct Bf16Args {
 
 // Adam's output from the new float32 moments, as AdamOutBlock computes it.
 inline float AdamOut(const Bf16Args& a, float mu, float den) {
-  const float n = a.scale_num ? mu * a.inv_bc1 : mu;
-  const float d = a.scale_den ? den * a.inv_bc2 : den;
-  return n / (std::sqrt(d + a.eps_root) + a.eps);
+  return AdamOutValue(mu, den, a.scale_num, a.inv_bc1, a.scale_den, a.inv_bc2, a.eps,
+                      a.eps_root);
 }
 
 // A denormal as the signed zero that DAZ makes of it in arithmetic (a value that is only
@@ -880,7 +886,7 @@ OD_CLONES void EmaBf16Range(const Bf16Args& a, int64_t begin, int64_t end) {
         const float v = ci * src + ck * m;
         const float t = cg * gi + cm * m;
         m0[i] = F32ToBf16(v);
-        a.u[i] = t > 0.0f ? 1.0f : (t < 0.0f ? -1.0f : t);
+        a.u[i] = SignOf(t);
       }
       return;
     }

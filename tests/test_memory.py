@@ -10,6 +10,7 @@ import optax_decoupled as od
 from optax_decoupled import memory
 from optax_decoupled import storage as S
 from optax_decoupled.experiments import memory_report as R
+from optax_decoupled.quantization import QuantizedArray
 
 PARAMS = {"w": jnp.ones((512, 256)), "b": jnp.ones((256,))}  # 131072 + 256
 N = 512 * 256 + 256
@@ -189,6 +190,23 @@ def test_quality_comparison_smoke():
     assert [r["state_dtype"] for r in rows] == ["float32", "int8 (B=256, all tensors)"]
     assert rows[0]["gap_vs_float32"] == 0.0 and rows[1]["gap_vs_float32"] != 0.0
     assert all(np.isfinite(r["val_loss_mean"]) for r in rows)
+
+
+def test_quick_quality_preset_quantizes_with_the_default_int8():
+    """The report's quality rows labelled ``int8`` measure 8-bit state: at the ``quick``
+    preset's size the default storage (4096 elements and up) quantizes the moments of each
+    layer's ``in_proj`` kernel and keeps every other moment in float32."""
+    config = R.QualityConfig.preset("quick")
+    assert "int8" in config.state_dtypes and len(config.seeds) >= 3
+    _, _, params = R.ssm_digits_setup(config.d_model, config.n_layers, config.batch_size)
+    state = jax.eval_shape(od.adamw(1e-3, state_dtype="int8").init, params)
+    flat = jax.tree_util.tree_flatten_with_path(
+        state[0].mu, is_leaf=lambda x: isinstance(x, QuantizedArray)
+    )[0]
+    quantized = [jax.tree_util.keystr(p) for p, x in flat if isinstance(x, QuantizedArray)]
+    assert len(quantized) == config.n_layers, quantized
+    assert all("in_proj" in name for name in quantized), quantized
+    assert all(x.dtype == jnp.float32 for _, x in flat if not isinstance(x, QuantizedArray))
 
 
 def test_nu_decay_table():

@@ -342,27 +342,28 @@ def applies_output(output: Any, update: Any) -> bool:
     if isinstance(output, moment_updates.AdamDirection):
         if len(update.decays) != 2 or update.running_max != (output.amsgrad is not None):
             return False
-        values = (output.bc1, output.bc2, output.eps, output.eps_root)
     elif isinstance(output, moment_updates.LionDirection):
         if len(update.decays) != 1 or update.running_max:
             return False
-        values = (output.b1,)
     else:
         return False
-    return all(_f32_coefficient(v) is not None for v in values)
+    return all(_f32_coefficient(v) is not None for v in _output_values(output))
+
+
+def _output_values(output: Any) -> tuple[Any, ...]:
+    """The kernel's four output coefficients: Adam's ``(1 - b1^t, 1 - b2^t, eps, eps_root)``
+    (the kernel multiplies by the reciprocals of the first two, as XLA:CPU compiles a
+    division by a scalar), Lion's ``(1 - b1, b1, 0, 0)``, or zeros for no output."""
+    if isinstance(output, moment_updates.AdamDirection):
+        return (output.bc1, output.bc2, output.eps, output.eps_root)
+    if isinstance(output, moment_updates.LionDirection):
+        return (1 - output.b1, output.b1, 0.0, 0.0)  # as jnp computes `1 - b1`
+    return (0.0,) * 4
 
 
 def _output_coefficients(output: Any) -> jax.Array:
-    """The kernel's four output coefficients: Adam's ``[1 - b1^t, 1 - b2^t, eps, eps_root]``
-    (the kernel multiplies by the reciprocals of the first two, as XLA:CPU compiles a
-    division by a scalar), Lion's ``[1 - b1, b1, 0, 0]``, or zeros for no output."""
-    if isinstance(output, moment_updates.AdamDirection):
-        values = (output.bc1, output.bc2, output.eps, output.eps_root)
-    elif isinstance(output, moment_updates.LionDirection):
-        values = (1 - output.b1, output.b1, 0.0, 0.0)  # as jnp computes `1 - b1`
-    else:
-        values = (0.0,) * 4
-    return jnp.stack([_f32_coefficient(v) for v in values])
+    """:func:`_output_values` as the kernel's float32 operand."""
+    return jnp.stack([_f32_coefficient(v) for v in _output_values(output)])
 
 
 def _output_layout(output: Any) -> dict[str, np.int64]:
@@ -390,11 +391,12 @@ def requantize_ema(
     Call only where :func:`applies` is true and on the CPU (``quantization.requantize``
     dispatches with :func:`platform_dependent`).
 
-    The transforms compute their output from the old moments, in XLA, fused into the
-    parameter update. With ``emit_old`` (what they use, through
+    With ``emit_old`` (what the transforms use where the gradient is an argument of the
+    jitted function, through :func:`optax_decoupled.storage.update_moments_and_output`, and
     ``storage.update_moments(..., return_old=True)``) the result is ``(new, old)``: ``old``
-    is a copy of ``stored`` that the kernel writes as it reads each block, for the output to
-    be computed from, and the new codes and scales are written in place of ``stored``. The
+    is a copy of ``stored`` that the kernel writes as it reads each block, for XLA to
+    compute the output from, fused into the parameter update, and the new codes and scales
+    are written in place of ``stored``. The
     kernel is then the only reader of ``stored``, and with the state donated XLA copies
     nothing. Without it the kernel writes the new moments to buffers of their own, and a
     caller that still reads ``stored`` afterwards makes XLA copy it first (measured:
@@ -410,27 +412,17 @@ def requantize_ema(
     """
     if not available():
         raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
-    if output is not None and emit_old:
-        raise ValueError("`emit_old` and `output` are exclusive.")
     args = [g, _coefficients(update), _output_coefficients(output)]
-    out_types = []
-    for q in stored:
+    new_types, in_place = [], {}
+    for k, q in enumerate(stored):
         qmap = jnp.asarray(quant_lib._dynamic_map(q.signed))
         args += [qmap, jnp.asarray(encoder_table(q.signed)), q.codes, q.absmax]
-        out_types += [
+        new_types += [
             jax.ShapeDtypeStruct(q.codes.shape, jnp.uint8),
             jax.ShapeDtypeStruct(q.absmax.shape, jnp.float32),
         ]
-    aliases = {}
-    if emit_old or output is not None:
-        for k in range(len(stored)):
-            aliases[3 + 4 * k + 2] = 2 * k
-            aliases[3 + 4 * k + 3] = 2 * k + 1
-    if emit_old:
-        out_types = out_types * 2
-    if output is not None:
-        aliases[0] = len(out_types)
-        out_types.append(jax.ShapeDtypeStruct(g.shape, jnp.float32))
+        in_place |= {3 + 4 * k + 2: 2 * k, 3 + 4 * k + 3: 2 * k + 1}  # codes, absmax
+    out_types, aliases = _results(new_types, in_place, g, emit_old=emit_old, output=output)
     call = jax.ffi.ffi_call(
         TARGET, out_types, vmap_method="sequential", input_output_aliases=aliases
     )
@@ -441,20 +433,34 @@ def requantize_ema(
         decode_limit=np.int64(_DECODE_LIMITS[DECODE]),
         emit_old=np.int64(emit_old),
     )
-    if output is not None:
-        new = tuple(
-            quant_lib.QuantizedArray(outs[2 * k], outs[2 * k + 1], q.signed)
-            for k, q in enumerate(stored)
-        )
-        return new, outs[-1]
     groups = [
         tuple(
             quant_lib.QuantizedArray(outs[o + 2 * k], outs[o + 2 * k + 1], q.signed)
             for k, q in enumerate(stored)
         )
-        for o in range(0, len(outs), 2 * len(stored))
+        for o in range(0, len(outs) - (output is not None), len(new_types))
     ]
+    if output is not None:
+        return groups[0], outs[-1]
     return tuple(groups) if emit_old else groups[0]
+
+
+def _results(
+    new_types: list[Any], in_place: dict[int, int], g: jax.Array, *, emit_old: bool, output: Any
+) -> tuple[list[Any], dict[int, int]]:
+    """Both kernels' results and aliases: the new moments (``new_types``), then with
+    ``emit_old`` a copy of the old ones, or with ``output`` the transform's output, in
+    ``g``'s buffer (operand 0). ``in_place`` maps the stored moments' operands to their new
+    moments' results, which are written in place when the caller no longer reads the old
+    ones (``emit_old`` or ``output``)."""
+    if output is not None and emit_old:
+        raise ValueError("`emit_old` and `output` are exclusive.")
+    aliases = dict(in_place) if emit_old or output is not None else {}
+    out_types = list(new_types) * (2 if emit_old else 1)
+    if output is not None:
+        aliases[0] = len(out_types)
+        out_types.append(jax.ShapeDtypeStruct(g.shape, jnp.float32))
+    return out_types, aliases
 
 
 def _coefficients(update: moment_updates.EmaMoments) -> jax.Array:
@@ -516,17 +522,13 @@ def ema_bf16(
     """
     if not available():
         raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
-    if output is not None and emit_old:
-        raise ValueError("`emit_old` and `output` are exclusive.")
-    out_types = [jax.ShapeDtypeStruct(m.shape, jnp.bfloat16) for m in stored]
-    aliases = {}
-    if emit_old or output is not None:
-        aliases = {3 + k: k for k in range(len(stored))}
-    if emit_old:
-        out_types = out_types * 2
-    if output is not None:
-        aliases[0] = len(out_types)
-        out_types.append(jax.ShapeDtypeStruct(g.shape, jnp.float32))
+    out_types, aliases = _results(
+        [jax.ShapeDtypeStruct(m.shape, jnp.bfloat16) for m in stored],
+        {3 + k: k for k in range(len(stored))},
+        g,
+        emit_old=emit_old,
+        output=output,
+    )
     call = jax.ffi.ffi_call(
         BF16_TARGET, out_types, vmap_method="sequential", input_output_aliases=aliases
     )

@@ -206,12 +206,6 @@ def _output_from(store, fn, output, old, g):
     return output(fn(*old_values, g), old_values, g)
 
 
-def _bf16_kernel_applies(fn, stored, operands) -> bool:
-    from optax_decoupled import cpu_kernel  # imports quantization, which imports nothing here
-
-    return cpu_kernel.applies_bf16(fn, tuple(stored), tuple(operands))
-
-
 def narrow(value: jax.Array, dtype: Any) -> jax.Array:
     r"""``value.astype(dtype)``, rounded even where XLA would keep the excess precision.
 
@@ -458,12 +452,7 @@ class FloatStorage:
             new = tuple(stochastic_round_bfloat16(v, step, stream=k) for k, v in enumerate(values))
             return (new, tuple(stored)) if return_old else new
         plain = functools.partial(_read_compute_write, self, like=like, signed=signed)
-        if not (
-            self.cpu_kernel
-            and jnp.dtype(self.dtype) == jnp.bfloat16
-            and self.compute_dtype(like) == jnp.float32
-            and _bf16_kernel_applies(fn, stored, operands)
-        ):
+        if not self._kernel_applies(fn, stored, operands, like):
             return plain(fn, stored, operands, return_old=return_old)
         from optax_decoupled import cpu_kernel
 
@@ -485,14 +474,20 @@ class FloatStorage:
         the update and the output (bfloat16 moments computed in float32), else ``None``."""
         from optax_decoupled import cpu_kernel
 
-        applies = (
+        applies = self._kernel_applies(fn, stored, (g,), g)
+        return cpu_kernel.ema_bf16 if applies and cpu_kernel.applies_output(output, fn) else None
+
+    def _kernel_applies(self, fn, stored, operands, like) -> bool:
+        """Whether ``cpu_kernel.ema_bf16`` can run ``fn`` (:func:`cpu_kernel.applies_bf16`):
+        bfloat16 moments, computed in float32, the kernel not turned off."""
+        from optax_decoupled import cpu_kernel  # imports quantization, which imports nothing here
+
+        return (
             self.cpu_kernel
             and jnp.dtype(self.dtype) == jnp.bfloat16
-            and self.compute_dtype(g) == jnp.float32
-            and _bf16_kernel_applies(fn, stored, (g,))
-            and cpu_kernel.applies_output(output, fn)
+            and self.compute_dtype(like) == jnp.float32
+            and cpu_kernel.applies_bf16(fn, tuple(stored), tuple(operands))
         )
-        return cpu_kernel.ema_bf16 if applies else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,8 +537,12 @@ class BlockwiseInt8Storage:
             q = jax.device_put(q, stored_sharding(q, param.sharding))
         return q
 
+    def compute_dtype(self, like: jax.Array) -> Any:
+        """The dtype moments are read and updated in: float32, or ``like``'s if wider."""
+        return jnp.promote_types(jnp.float32, jnp.result_type(like))
+
     def read(self, stored: Any, like: jax.Array) -> jax.Array:
-        dtype = jnp.promote_types(jnp.float32, jnp.result_type(like))
+        dtype = self.compute_dtype(like)
         if isinstance(stored, quant_lib.QuantizedArray):
             # The array (not just its shape): on an Explicit mesh the moment takes its sharding.
             return quant_lib.dequantize(stored, like).astype(dtype)
@@ -571,14 +570,13 @@ class BlockwiseInt8Storage:
         """
         if not all(isinstance(s, quant_lib.QuantizedArray) for s in stored):
             return _read_compute_write(self, fn, stored, operands, like, signed, return_old)
-        dtype = jnp.promote_types(jnp.float32, jnp.result_type(like))
         return quant_lib.requantize(
             fn,
             tuple(stored),
             tuple(operands),
             shape=jnp.shape(like),
             signed=signed,
-            dtype=dtype,
+            dtype=self.compute_dtype(like),
             kernel=self.cpu_kernel,
             return_old=return_old,
         )
@@ -589,11 +587,10 @@ class BlockwiseInt8Storage:
         :func:`~optax_decoupled.cpu_kernel.applies_output`), else ``None``."""
         from optax_decoupled import cpu_kernel  # imports quantization, which imports nothing here
 
-        dtype = jnp.promote_types(jnp.float32, jnp.result_type(g))
         applies = (
             self.cpu_kernel
             and all(isinstance(s, quant_lib.QuantizedArray) for s in stored)
-            and cpu_kernel.applies(fn, stored, (g,), dtype)
+            and cpu_kernel.applies(fn, stored, (g,), self.compute_dtype(g))
             and cpu_kernel.applies_output(output, fn)
         )
         return cpu_kernel.requantize_ema if applies else None

@@ -1,9 +1,11 @@
 """Shared by the tests of the compiled CPU kernels (``test_cpu_kernel.py`` for 8-bit state,
 ``test_cpu_kernel_bf16.py`` for bfloat16 state): the skip for builds without the kernel, and
-what a compiled program copies, and the transforms' outputs the kernels are checked on."""
+what a compiled program copies, and the transforms' outputs the kernels are checked on
+(with how a kernel call with an output is run)."""
 
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -38,3 +40,13 @@ OUTPUTS = {
     "amsgrad-paper": ("amsgrad", AdamDirection(_BC1, _BC2, 0.0, 0.0, "paper")),
     "lion": ("lion", LionDirection(0.9)),
 }
+
+
+def call_with_output(call, stored, g, donate):
+    """``jax.jit(call)(stored, g)`` for a kernel call with ``output=``, the gradient donated
+    (as a gradient computed in the step is) or not, then checked unchanged: ``(new, u)``."""
+    g_before = np.array(g)
+    got, u = jax.jit(call, donate_argnums=(1,) if donate else ())(stored, g)
+    if not donate:
+        np.testing.assert_array_equal(np.asarray(g), g_before)
+    return got, u

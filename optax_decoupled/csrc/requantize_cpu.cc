@@ -608,6 +608,29 @@ class ScopedFlushDenormals {
 #endif
 };
 
+// Both handlers' checks of their attributes: the moment layout (one or two moving averages
+// of g or g*g, a running max after two) and the output (out_mode: 0 none, 1 Adam's from
+// moment out_den, 1 nu or 2 nu_max, 2 Lion's; four output coefficients).
+bool MomentLayoutValid(int64_t n_ema, int64_t has_max, int64_t power0, int64_t power1) {
+  return n_ema >= 1 && n_ema <= 2 && has_max >= 0 && has_max <= 1 && !(has_max && n_ema != 2) &&
+         power0 >= 1 && power0 <= 2 && power1 >= 1 && power1 <= 2;
+}
+
+bool OutputLayoutValid(int64_t out_mode, int64_t out_den, int64_t n_ema, int64_t n_moments,
+                       const ffi::Buffer<ffi::F32>& ocoef) {
+  return out_mode >= 0 && out_mode <= 2 &&
+         !(out_mode == 1 && (n_ema != 2 || out_den < 1 || out_den >= n_moments)) &&
+         !(out_mode == 2 && n_ema != 1) && ocoef.element_count() == 4;
+}
+
+// The output result (the last of n_rets), which must be shaped like g (size elements); null
+// where it is not.
+float* OutputBuffer(ffi::RemainingRets& rets, int64_t n_rets, int64_t size) {
+  auto out = rets.get<ffi::Buffer<ffi::F32>>(n_rets - 1);
+  if (!out.has_value() || static_cast<int64_t>((*out)->element_count()) != size) return nullptr;
+  return (*out)->typed_data();
+}
+
 constexpr int64_t kTaskElements = 1 << 16;
 
 ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
@@ -618,14 +641,10 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
                              int64_t out_mode, int64_t out_den, int64_t out_scale_num,
                              int64_t out_scale_den) {
   const int64_t n_moments = n_ema + has_max;
-  if (n_ema < 1 || n_ema > 2 || has_max < 0 || has_max > 1 || (has_max && n_ema != 2) ||
-      power0 < 1 || power0 > 2 || power1 < 1 || power1 > 2) {
+  if (!MomentLayoutValid(n_ema, has_max, power0, power1)) {
     return ffi::Error::InvalidArgument("requantize_ema: unsupported moment layout");
   }
-  // out_mode: 0 no output, 1 Adam's (from moment out_den: 1 nu, 2 nu_max), 2 Lion's.
-  if (out_mode < 0 || out_mode > 2 || (out_mode == 1 && (n_ema != 2 || out_den < 1 ||
-                                                         out_den >= n_ema + has_max)) ||
-      (out_mode == 2 && n_ema != 1) || ocoef.element_count() != 4) {
+  if (!OutputLayoutValid(out_mode, out_den, n_ema, n_moments, ocoef)) {
     return ffi::Error::InvalidArgument("requantize_ema: unsupported output");
   }
   const int64_t n_rets = 2 * n_moments * (emit_old ? 2 : 1) + (out_mode ? 1 : 0);
@@ -706,13 +725,10 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
   }
   const float* c = coef.typed_data();
   const float* gd = g.typed_data();
-  float* out_d = nullptr;  // the transform's output (out_mode), possibly g's own buffer
-  if (out_mode) {
-    auto out = rets.get<ffi::Buffer<ffi::F32>>(n_rets - 1);
-    if (!out.has_value() || static_cast<int64_t>((*out)->element_count()) != size) {
-      return ffi::Error::InvalidArgument("requantize_ema: output must be shaped like g");
-    }
-    out_d = (*out)->typed_data();
+  // The transform's output (out_mode), possibly g's own buffer.
+  float* const out_d = out_mode ? OutputBuffer(rets, n_rets, size) : nullptr;
+  if (out_mode && out_d == nullptr) {
+    return ffi::Error::InvalidArgument("requantize_ema: output must be shaped like g");
   }
   const float* oc = ocoef.typed_data();
   const float inv_bc1 = 1.0f / oc[0], inv_bc2 = 1.0f / oc[1];
@@ -947,13 +963,10 @@ ffi::Error EmaBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffe
                        int64_t out_mode, int64_t out_den, int64_t out_scale_num,
                        int64_t out_scale_den) {
   const int64_t n_moments = n_ema + has_max;
-  if (n_ema < 1 || n_ema > 2 || has_max < 0 || has_max > 1 || (has_max && n_ema != 2) ||
-      power0 < 1 || power0 > 2 || power1 < 1 || power1 > 2) {
+  if (!MomentLayoutValid(n_ema, has_max, power0, power1)) {
     return ffi::Error::InvalidArgument("ema_bf16: unsupported moment layout");
   }
-  if (out_mode < 0 || out_mode > 2 || (out_mode && emit_old) ||
-      (out_mode == 1 && (n_ema != 2 || out_den < 1 || out_den >= n_moments)) ||
-      (out_mode == 2 && n_ema != 1) || ocoef.element_count() != 4) {
+  if (!OutputLayoutValid(out_mode, out_den, n_ema, n_moments, ocoef) || (out_mode && emit_old)) {
     return ffi::Error::InvalidArgument("ema_bf16: unsupported output");
   }
   const size_t n_rets = static_cast<size_t>(n_moments * (emit_old ? 2 : 1) + (out_mode ? 1 : 0));
@@ -998,13 +1011,11 @@ ffi::Error EmaBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffe
   a.n_ema = static_cast<int>(n_ema);
   a.has_max = static_cast<int>(has_max);
   a.divide = static_cast<int>(max_divide);
-  a.u = nullptr;
+  a.u = out_mode ? OutputBuffer(rets, static_cast<int64_t>(n_rets), size) : nullptr;
+  if (out_mode && a.u == nullptr) {
+    return ffi::Error::InvalidArgument("ema_bf16: output must be shaped like g");
+  }
   if (out_mode) {
-    auto u = rets.get<ffi::Buffer<ffi::F32>>(n_rets - 1);
-    if (!u.has_value() || static_cast<int64_t>((*u)->element_count()) != size) {
-      return ffi::Error::InvalidArgument("ema_bf16: output must be shaped like g");
-    }
-    a.u = (*u)->typed_data();
     const float* oc = ocoef.typed_data();
     a.den = static_cast<int>(out_den);
     a.scale_num = static_cast<int>(out_scale_num);

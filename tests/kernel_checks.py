@@ -6,6 +6,7 @@ what a compiled program copies, and the transforms' outputs the kernels are chec
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -50,3 +51,16 @@ def call_with_output(call, stored, g, donate):
     if not donate:
         np.testing.assert_array_equal(np.asarray(g), g_before)
     return got, u
+
+
+def compiled_training_step(step, params, state):
+    """``step(p, s, g)`` after the gradient ``g`` of ``sum(tanh(x @ p["w"]))`` for a fixed
+    batch ``x`` of 8 rows, computed in the same program as a training step computes it,
+    jitted with the parameters and the state donated: the compiled program."""
+    x = jnp.linspace(-1.0, 1.0, 8 * params["w"].shape[0]).reshape(8, -1)
+
+    def train_step(p, s):
+        g = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"])))(p)
+        return step(p, s, g)
+
+    return jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state).compile()

@@ -25,6 +25,7 @@ try:
         NO_KERNEL,
         OUTPUTS,
         call_with_output,
+        compiled_training_step,
         entry_copies,
         needs_kernel,
     )
@@ -33,6 +34,7 @@ except ImportError:  # tests/ itself is on sys.path (pytest's rootdir-less "prep
         NO_KERNEL,
         OUTPUTS,
         call_with_output,
+        compiled_training_step,
         entry_copies,
         needs_kernel,
     )
@@ -344,13 +346,7 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
 
     # The gradient computed in the step (a training step): the kernel computes the output in
     # its pass, in the gradient's buffer; no copies, and the temporaries are the gradient.
-    x = jnp.linspace(-1.0, 1.0, 8 * 300).reshape(8, 300)
-
-    def train_step(p, s):
-        g = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"])))(p)
-        return step(p, s, g)
-
-    compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state).compile()
+    compiled = compiled_training_step(step, params, state)
     text = compiled.as_text()
     assert cpu_kernel.BF16_TARGET in text and "out_mode = 1" in text
     assert not entry_copies(text, "bf16["), entry_copies(text, "bf16[")

@@ -26,23 +26,13 @@ from optax_decoupled.moment_updates import AdamDirection, EmaMoments
 from optax_decoupled.storage import BlockwiseInt8Storage
 
 try:
-    from tests.kernel_checks import (
-        NO_KERNEL,
-        OUTPUTS,
-        call_with_output,
-        compiled_training_step,
-        entry_copies,
-        needs_kernel,
-    )
+    from tests import kernel_checks as K
 except ImportError:  # tests/ itself is on sys.path (pytest's rootdir-less "prepend" import)
-    from kernel_checks import (
-        NO_KERNEL,
-        OUTPUTS,
-        call_with_output,
-        compiled_training_step,
-        entry_copies,
-        needs_kernel,
-    )
+    import kernel_checks as K
+
+NO_KERNEL, OUTPUTS, entry_copies, needs_kernel = (
+    K.NO_KERNEL, K.OUTPUTS, K.entry_copies, K.needs_kernel
+)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -371,7 +361,7 @@ def test_output_equals_numpy(name, shape, block, donate, kernel_path):
     size = int(np.prod(shape))
     want_moments = _np_update(update, stored, g, size)
     want_u = _np_output(direction, update, stored, g, size).reshape(shape)
-    got, u = call_with_output(
+    got, u = K.call_with_output(
         lambda s, g: cpu_kernel.requantize_ema(update, s, g, output=direction), stored, g, donate
     )
     _assert_equal_to_numpy(got, want_moments)
@@ -482,7 +472,7 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
     # The gradient computed in the step (a training step): the kernel computes the output
     # in its pass and writes it in the gradient's buffer, the new codes in place. No copies,
     # no copy of the codes among the temporaries: they are the gradient and nothing else.
-    compiled = compiled_training_step(step, params, state)
+    compiled = K.compiled_training_step(step, params, state)
     text = compiled.as_text()
     assert "out_mode = 1" in text and "emit_old = 0" in text
     assert not entry_copies(text, "u8["), entry_copies(text, "u8[")

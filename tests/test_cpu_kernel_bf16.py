@@ -21,23 +21,13 @@ from optax_decoupled.moment_updates import AdamDirection, EmaMoments
 from optax_decoupled.storage import FloatStorage, update_moments
 
 try:
-    from tests.kernel_checks import (
-        NO_KERNEL,
-        OUTPUTS,
-        call_with_output,
-        compiled_training_step,
-        entry_copies,
-        needs_kernel,
-    )
+    from tests import kernel_checks as K
 except ImportError:  # tests/ itself is on sys.path (pytest's rootdir-less "prepend" import)
-    from kernel_checks import (
-        NO_KERNEL,
-        OUTPUTS,
-        call_with_output,
-        compiled_training_step,
-        entry_copies,
-        needs_kernel,
-    )
+    import kernel_checks as K
+
+NO_KERNEL, OUTPUTS, entry_copies, needs_kernel = (
+    K.NO_KERNEL, K.OUTPUTS, K.entry_copies, K.needs_kernel
+)  # fmt: skip
 
 
 BF16 = ml_dtypes.bfloat16
@@ -244,7 +234,7 @@ def test_output_equals_numpy(name, shape, donate):
     stored = (mu, nu, nu_max)[:k]
     want_moments = _np_update(update, stored, g)
     want_u = _np_output(direction, update, stored, g)
-    got, u = call_with_output(
+    got, u = K.call_with_output(
         lambda s, g: cpu_kernel.ema_bf16(update, s, g, output=direction), stored, g, donate
     )
     _assert_bits_equal(got, want_moments)
@@ -346,7 +336,7 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
 
     # The gradient computed in the step (a training step): the kernel computes the output in
     # its pass, in the gradient's buffer; no copies, and the temporaries are the gradient.
-    compiled = compiled_training_step(step, params, state)
+    compiled = K.compiled_training_step(step, params, state)
     text = compiled.as_text()
     assert cpu_kernel.BF16_TARGET in text and "out_mode = 1" in text
     assert not entry_copies(text, "bf16["), entry_copies(text, "bf16[")

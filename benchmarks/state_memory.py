@@ -5,24 +5,31 @@ matrix of shape (round(N / 1024), 1024) (a multiple of the block size, as real l
 ``--ragged`` adds a (N / 1000, 1000) matrix whose size is not a multiple of 256 (padding path).
 The timed step is ``update`` + ``apply_updates`` of ``optax_decoupled.adamw``, jitted with
 the parameters and the state donated (updated in place), as in a training loop. Each other
-dtype is timed in turns with float32 (fp32, int8, fp32, int8, ...; then fp32, bf16, ...), so
-that a machine shared with other jobs slows both alike, and its ratio is taken against the
-float32 steps of its own turns; medians of ``--repeats`` steps are reported. ``int8`` is the
-default 8-bit storage (on CPU the compiled kernel, ``optax_decoupled.cpu_kernel``);
+dtype is timed in turns with float32, in blocks of ``--block`` steps of one program (fp32 x5,
+int8 x5, fp32 x5, ...; then fp32, bf16, ...), the first step of each block not counted, so
+that a machine shared with other jobs slows both alike while each program is timed as a
+training loop runs it, one program step after step. Its ratio is taken against the float32
+steps of its own turns; medians of the ``--repeats`` blocks' steps are reported. ``int8`` is
+the default 8-bit storage (on CPU the compiled kernel, ``optax_decoupled.cpu_kernel``);
 ``int8-loop`` is the same storage with ``cpu_kernel=False`` (XLA's chunk loop). Likewise
 ``bfloat16`` is the default bfloat16 storage (on CPU the compiled kernel for bfloat16
 moments), ``bfloat16-xla`` the same with ``cpu_kernel=False`` (XLA's own program) and
 ``bfloat16-sr`` bfloat16 storage with stochastic rounding (XLA's program). ``--dtypes``
 times a subset (float32 always).
 
-Why pairs: a step whose program allocates temporaries (8-bit and bf16 state do, float32 does
-not) is slower when other programs with big temporaries run between its steps, since
-glibc's allocator then maps fresh memory for them more often. A training loop runs one
-program. ``--rotation all`` times all dtypes in one rotation (fp32, bf16, bf16-xla, int8,
-int8-loop, fp32, ...) to show the difference (docs/memory.md). For the same reason the allocator's
-settings matter: under glibc, XLA's per-step temporaries above 32 MiB are mapped afresh on
-every step unless e.g. ``GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:``
-``glibc.malloc.trim_threshold=4000000000`` is set (docs/memory.md); the run records them.
+Why blocks: a step right after another program's step is not a training loop's step. On
+the project's 2-core Xeon (docs/memory.md, Speed) the float32 step at 1e7 took 9.2 ms in a
+loop of its own and 10.6-12.2 ms alternating step by step with the 8-bit one, whose step
+slowed less (15 against 16 ms): alternating single steps (``--rotation pairs``, the
+protocol before 2026-12-02's third session) flattered the 8-bit ratio at 1e7 by about 10%.
+The first step of a block still shows it (10.6 ms, then 9.3-9.7), so it is not counted.
+``--rotation all`` times all dtypes in one rotation of single steps (fp32, bf16, bf16-xla,
+int8, int8-loop, fp32, ...), which also makes the programs with big temporaries slower, as
+glibc's allocator then maps fresh memory for them more often. For the same reason the
+allocator's settings matter: under glibc, XLA's per-step temporaries above 32 MiB are mapped
+afresh on every step unless e.g. ``GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.``
+``mmap_max=0:glibc.malloc.trim_threshold=4000000000`` is set (docs/memory.md); the run
+records them.
 
 ``--step train`` times a training step instead: the same update after the gradient of
 ``sum(tanh(x @ w))`` for a batch ``x`` of 4 rows, computed in the step. There the gradient is
@@ -31,6 +38,7 @@ a temporary of the program, and the 8-bit kernel writes the transform's output i
 
     python benchmarks/state_memory.py                    # 1e6, 1e7, 5e7
     python benchmarks/state_memory.py --sizes 1e6 --repeats 5 --json out.json
+    python benchmarks/state_memory.py --rotation pairs  # single steps in turns (before)
     python benchmarks/state_memory.py --step train --dtypes int8
 
 Targets (issue 6): int8 state <= 0.27x float32 for large tensors; step time <= 1.5x float32.
@@ -109,10 +117,19 @@ def make_step(state_dtype, kind: str = "update"):
 def bench_size(
     shape,
     repeats: int,
-    rotation: str = "pairs",
+    rotation: str = "blocks",
     dtypes: tuple[str, ...] = STATE_DTYPES,
     kind: str = "update",
+    block: int = 5,
 ) -> dict:
+    """Times the step of each of ``dtypes`` at ``shape`` (see the module docstring):
+    ``repeats`` turns of ``block`` steps per program with ``rotation="blocks"``, the first
+    step of each block not counted; single steps with ``"pairs"`` and ``"all"``."""
+    if rotation != "blocks":
+        block = 1
+    elif block < 2:
+        raise ValueError(f"block: at least 2 steps with rotation='blocks', got {block}")
+    skip = 1 if block > 1 else 0
     key = jax.random.key(0)
     params0 = {"w": jax.random.normal(key, shape, jnp.float32)}
     if kind == "update":  # what the step takes besides params and state: the gradient
@@ -139,14 +156,18 @@ def bench_size(
         for _ in range(repeats):
             for sd in turn:
                 r = runs[sd]
-                t0 = time.perf_counter()
-                r["carry"] = r["step"](*r["carry"], data)
-                jax.block_until_ready(r["carry"])
-                (f32_times if sd == "float32" else times[sd]).append(time.perf_counter() - t0)
+                for k in range(block):
+                    t0 = time.perf_counter()
+                    r["carry"] = r["step"](*r["carry"], data)
+                    jax.block_until_ready(r["carry"])
+                    if k >= skip:
+                        dt = time.perf_counter() - t0
+                        (f32_times if sd == "float32" else times[sd]).append(dt)
         times["float32"] += f32_times
         anchor.update({sd: f32_times for sd in turn if sd != "float32"})
     n = int(np.prod(shape))
     out = {"shape": list(shape), "num_params": n, "rotation": rotation, "step": kind}
+    out["block"], out["timed_steps"] = block, len(times["float32"])
     for sd in dtypes:
         sb = runs[sd]["bytes"]
         out[sd] = {
@@ -188,7 +209,9 @@ def markdown(results: list[dict]) -> str:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 1e7, 5e7])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--repeats", type=int, default=7, help="turns per dtype (blocks, or single steps)"
+    )
     parser.add_argument("--ragged", action="store_true", help="also (N/1000, 1000) matrices")
     parser.add_argument(
         "--dtypes", nargs="+", choices=STATE_DTYPES[1:], default=list(STATE_DTYPES[1:]),
@@ -197,9 +220,16 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument(
         "--rotation",
-        choices=("pairs", "all"),
-        default="pairs",
-        help="time each dtype in turns with float32 (default), or all dtypes in one rotation",
+        choices=("blocks", "pairs", "all"),
+        default="blocks",
+        help="time each dtype in turns with float32 in blocks of --block steps (default), in "
+        "single steps (pairs), or all dtypes in one rotation of single steps",
+    )
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=5,
+        help="steps per block with --rotation blocks, the first not counted (default 5)",
     )
     parser.add_argument(
         "--step",
@@ -209,6 +239,8 @@ def main(argv=None) -> list[dict]:
         "step that computes the gradient (of sum(tanh(x @ w)), a batch of 4) itself",
     )
     args = parser.parse_args(argv)
+    if args.block < 2 and args.rotation == "blocks":
+        parser.error("--block must be at least 2 (the first step of each block is not counted)")
     shapes = []
     for n in args.sizes:
         shapes.append((max(1, round(n / 1024)), 1024))
@@ -228,6 +260,7 @@ def main(argv=None) -> list[dict]:
         "python": platform.python_version(),
         "repeats": args.repeats,
         "rotation": args.rotation,
+        "block": args.block if args.rotation == "blocks" else 1,
         "step": args.step,
         "dtypes": ["float32", *dict.fromkeys(args.dtypes)],
         # The allocator's settings change how much the temporaries cost (docs/memory.md).
@@ -239,7 +272,9 @@ def main(argv=None) -> list[dict]:
     results = []
     for shape in shapes:
         dtypes = ("float32", *dict.fromkeys(args.dtypes))
-        results.append(bench_size(shape, args.repeats, args.rotation, dtypes, args.step))
+        results.append(
+            bench_size(shape, args.repeats, args.rotation, dtypes, args.step, args.block)
+        )
         print(markdown(results[-1:]).splitlines()[-1], flush=True)
         if args.json:  # after every size: a run stopped by a time limit keeps what it measured
             C.write_json(args.json, {"env": env, "results": results, "complete": False})
@@ -252,11 +287,12 @@ def main(argv=None) -> list[dict]:
     elif env["cpu_kernel_avx512"]:
         kernel += " (AVX-512 decode)"
     print(f"compiled CPU kernels for int8 and bfloat16 moments: {kernel}")
-    rotation = (
-        "in turns with float32, one dtype at a time"
-        if args.rotation == "pairs"
-        else "all dtypes in one rotation"
-    )
+    rotation = {
+        "blocks": f"in turns with float32, one dtype at a time, in blocks of {args.block} steps "
+        "(the first of each not counted)",
+        "pairs": "in turns with float32, one dtype at a time, single steps",
+        "all": "all dtypes in one rotation of single steps",
+    }[args.rotation]
     print(f"timing: {rotation}; ratios against the float32 steps of the same turns")
     what = (
         "the update step (gradient an argument)"

@@ -1,0 +1,53 @@
+"""The benchmarks' timing protocols (what is timed and how often), not their timings.
+
+``benchmarks/`` is not a package; the module is loaded from its file. Speed itself is
+measured by the benchmarks and written up in ``docs/``, never asserted here.
+"""
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def state_memory():
+    sys.path.insert(0, str(BENCHMARKS))  # for its `import _common`
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "state_memory_bench", BENCHMARKS / "state_memory.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.mark.parametrize(
+    "rotation, block, timed_per_turn",
+    [("blocks", 3, 2), ("blocks", 2, 1), ("pairs", 5, 1), ("all", 5, 1)],
+)
+def test_state_memory_times_each_program_in_blocks(state_memory, rotation, block, timed_per_turn):
+    repeats, dtypes = 2, ("float32", "bfloat16", "int8")
+    out = state_memory.bench_size((8, 1024), repeats, rotation, dtypes, "update", block)
+    assert out["block"] == (block if rotation == "blocks" else 1)
+    per_dtype = repeats * timed_per_turn
+    # float32 is timed in every turn: once per other dtype (blocks, pairs), or once (all).
+    turns = 1 if rotation == "all" else len(dtypes) - 1
+    assert out["timed_steps"] == per_dtype * turns
+    for sd in dtypes[1:]:
+        r = out[sd]
+        assert r["time_ratio"] == pytest.approx(r["step_ms_median"] / r["float32_step_ms_median"])
+        assert 0.25 < r["state_ratio"] < 0.6  # int8 about 0.254, bfloat16 0.5
+        assert r["step_ms_min"] <= r["step_ms_median"]
+
+
+def test_state_memory_refuses_blocks_of_one_step(state_memory):
+    with pytest.raises(ValueError, match="block"):
+        state_memory.bench_size((8, 1024), 1, "blocks", ("float32", "int8"), "update", 1)
+    with pytest.raises(SystemExit):
+        state_memory.main(["--block", "1", "--sizes", "1e3"])

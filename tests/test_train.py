@@ -89,6 +89,22 @@ def test_grid_equals_one_by_one(task, model_config, grid):
     assert not np.allclose(result.runs[0].train_loss, result.runs[2].train_loss)
 
 
+def test_init_models_are_init_model_bit_for_bit(model_config):
+    """The grid's initial models (one program for K keys) are exactly the models init_model
+    builds one at a time, so a configuration's run does not depend on the grid it is in."""
+    keys = jnp.stack([train_lib.seed_keys(s)[0] for s in (0, 7, 3)])
+    graphdef, params, rest = train_lib.init_models(model_config, keys)
+    assert graphdef == train_lib.model_graphdef(model_config)
+    for i in range(3):
+        _, one, one_rest = train_lib.init_model(model_config, keys[i])
+        for a, b in zip(jax.tree.leaves((params, rest)), jax.tree.leaves((one, one_rest)),
+                        strict=True):  # fmt: skip
+            assert a.shape == (3, *b.shape)
+            np.testing.assert_array_equal(a[i], b)
+    # Different keys, different models.
+    assert not np.array_equal(jax.tree.leaves(params)[0][0], jax.tree.leaves(params)[0][1])
+
+
 def test_grid_result_contents(grid):
     result, root = grid
     assert len(result.runs) == 3 and result.start_step == 0

@@ -339,3 +339,50 @@ def test_nnx_optimizer_with_8bit_state_compiles_once_in_state_form():
     # Flax 0.12 traces the step as built twice; a Flax that kept the form would trace it once.
     assert traces["state form"] == 1 and traces["as built"] in (1, 2)
     chex.assert_trees_all_equal(models["as built"], models["state form"])
+
+
+@pytest.mark.parametrize("state_dtype", [None, "bfloat16", "int8", "int8, state form"])
+def test_nnx_optimizer_checkpoint_resumes_exactly(state_dtype, tmp_path):
+    """``nnx.state(model)`` and ``nnx.state(optimizer)`` saved with orbax's
+    ``StandardCheckpointer`` after two steps restore into a new model and optimizer (their own
+    states as the target), and two more steps from there equal two more steps of the
+    uninterrupted run, bit for bit (``docs/guides/memory.md``, *With Flax NNX*). The 8-bit
+    state is saved as ``nnx.State``s of codes and scales; the new optimizer's state is
+    restored as built, or first put in that form."""
+    nnx = pytest.importorskip("flax.nnx")
+    ocp = pytest.importorskip("orbax.checkpoint")
+    dtype = None if state_dtype is None else state_dtype.split(",")[0]
+
+    def make():
+        model, x, y = _nnx_model_and_batch(nnx)
+        opt = nnx.Optimizer(model, od.adamw(1e-2, state_dtype=dtype), wrt=nnx.Param)
+        if state_dtype == "int8, state form":
+            nnx.update(opt.opt_state, nnx.state(nnx.as_pure(opt.opt_state)))
+        return model, opt, x, y
+
+    @nnx.jit
+    def step(model, opt, x, y):
+        grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        opt.update(model, grads)
+
+    model, opt, x, y = make()
+    for _ in range(2):
+        step(model, opt, x, y)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "model", nnx.state(model))
+    checkpointer.save(tmp_path / "optimizer", nnx.state(opt))
+    checkpointer.wait_until_finished()
+    for _ in range(2):
+        step(model, opt, x, y)
+
+    resumed, resumed_opt, _, _ = make()
+    nnx.update(resumed, checkpointer.restore(tmp_path / "model", nnx.state(resumed)))
+    nnx.update(resumed_opt, checkpointer.restore(tmp_path / "optimizer", nnx.state(resumed_opt)))
+    assert int(resumed_opt.step[...]) == 2
+    for _ in range(2):
+        step(resumed, resumed_opt, x, y)
+    for a, b in ((model, resumed), (opt, resumed_opt)):
+        chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(a)), nnx.to_pure_dict(nnx.state(b)))
+    if dtype == "int8":  # the 8-bit moments were saved and restored as codes and scales
+        kernel = nnx.to_pure_dict(nnx.state(resumed_opt))["opt_state"][0]["mu"]["up"]["kernel"]
+        assert kernel["codes"].dtype == jnp.uint8

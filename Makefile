@@ -24,8 +24,8 @@ lint: $(STAMP)
 # The test command of the README and of CI: lint, the suite, and every notebook at smoke size.
 # Tests run in TEST_WORKERS pytest-xdist processes: one per core, at most 4 (each is a JAX
 # process of its own, a GiB or two; 0 runs them in this process). Compiling is single-threaded,
-# so two workers take the suite from 11.5 to 8.5 minutes on 2 cores (AMD EPYC, Zen 5; on the
-# 2-core Intel Xeon the project has now: 14-19 minutes).
+# so two workers take the suite from 11.5 to 8.5 minutes on 2 cores (AMD EPYC, Zen 5; 11-19
+# minutes on 2 cores of an Intel Xeon, 20-24 on 2 cores of a first-generation EPYC, Zen 1).
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = min(4, len(os.sched_getaffinity(0))); print(n if n > 1 else 0)" 2>/dev/null || echo 0)
 
 test: lint

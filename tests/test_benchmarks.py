@@ -46,8 +46,9 @@ def test_state_memory_times_each_program_in_blocks(state_memory, rotation, block
         assert r["step_ms_min"] <= r["step_ms_median"]
 
 
-def test_state_memory_refuses_blocks_of_one_step(state_memory):
+def test_state_memory_refuses_blocks_of_one_step(state_memory, capsys):
     with pytest.raises(ValueError, match="block"):
         state_memory.bench_size((8, 1024), 1, "blocks", ("float32", "int8"), "update", 1)
     with pytest.raises(SystemExit):
         state_memory.main(["--block", "1", "--sizes", "1e3"])
+    assert "--block must be at least 2" in capsys.readouterr().err

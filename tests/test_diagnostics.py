@@ -115,13 +115,22 @@ def test_coupled_effective_decay_of_an_nnx_optimizer_with_8bit_state():
 
 def test_coupled_effective_decay_reads_8bit_state_without_state_dtype():
     """An 8-bit state read without ``state_dtype="int8"`` raised AttributeError
-    ('QuantizedArray' object has no attribute 'astype'); the state says it is quantized."""
+    ('QuantizedArray' object has no attribute 'astype'); the state says it is quantized.
+    Its values are those of the same step with float32 state, up to the quantization of
+    nu (measured: at most 6.5% apart, near theta = 0 where nu is small within its block;
+    0.1% at the median)."""
     params = {"w": jnp.linspace(-1.0, 1.0, 64 * 128).reshape(64, 128)}
-    tx = od.adam_l2(1e-2, weight_decay=0.1, state_dtype="int8", mask=None)
-    _, state = tx.update(params, tx.init(params), params)
     kwargs = dict(learning_rate=1e-2, weight_decay=0.1, coupled=True, mask=None)
+    states = {}
+    for state_dtype in ("int8", None):
+        tx = od.adam_l2(1e-2, weight_decay=0.1, state_dtype=state_dtype, mask=None)
+        _, states[state_dtype] = tx.update(params, tx.init(params), params)
+    state = states["int8"]
     told = D.effective_decay(state, params, state_dtype="int8", **kwargs)
     np.testing.assert_array_equal(D.effective_decay(state, params, **kwargs)["w"], told["w"])
+    float32 = D.effective_decay(states[None], params, **kwargs)["w"]
+    np.testing.assert_allclose(told["w"], float32, rtol=0.07)
+    assert np.median(np.abs(np.asarray(told["w"]) / np.asarray(float32) - 1)) < 0.005
     with pytest.raises(ValueError, match="second moment has 1 leaves but `params` has 2"):
         D.effective_decay(state, {**params, "b": jnp.ones(3)}, **kwargs)
 

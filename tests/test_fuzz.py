@@ -10,8 +10,10 @@ zero-size arrays, scalars; float32/bfloat16/float16 and, rarely, integer, bool o
 leaves) and random hyperparameters for every public alias, valid or not (negative, NaN, Inf,
 bools, schedules where only numbers are allowed, unknown names, masks that do not match, ...).
 Building the optimizer, ``init`` and two ``update`` steps may raise only a ``ValueError``
-whose message matches one of ``DOCUMENTED``; anything that does not raise must return updates
-with the gradients' structure, shapes and dtypes, finite for sane settings.
+whose message matches one of ``DOCUMENTED``, and where every setting, leaf dtype and the
+gradients' structure is valid, only one of ``COMBINATION_ERRORS`` (settings that are valid one
+by one but not together); anything that does not raise must return updates with the
+gradients' structure, shapes and dtypes, finite for sane settings.
 """
 
 from __future__ import annotations
@@ -508,6 +510,22 @@ def _finite_expected(hp, alias, params, sane):
     return not low_precision_state
 
 
+#: Documented errors that settings valid one by one may still raise together: a relative decay
+#: convention with a schedule and no peak learning rate; a decay convention (or a peak) for
+#: AMSGrad's coupled L2.
+COMBINATION_ERRORS = (
+    r"^The decay convention '\w+' divides by the peak learning rate",
+    r"^`decay_convention`/`peak_learning_rate` apply to decoupled decay only",
+)
+
+
+def _must_run(sane, params, grads_mode):
+    """Whether every setting, leaf dtype and the gradients' structure is valid, so that only
+    a :data:`COMBINATION_ERRORS` error may be raised."""
+    dtypes = {jnp.result_type(x).name for x in jax.tree.leaves(params)}
+    return sane and grads_mode != 7 and dtypes <= set(GOOD_DTYPES)
+
+
 def _run(alias, hp, sane, params, seed, grads_mode):
     kwargs = dict(hp)
     if kwargs["learning_rate"] == "array":
@@ -536,6 +554,9 @@ def _run(alias, hp, sane, params, seed, grads_mode):
             params = optax.apply_updates(params, updates)
     except ValueError as err:
         assert documented(err), f"undocumented ValueError: {err}"
+        if _must_run(sane, params, grads_mode):  # e.g. not a valid b2 refused
+            combination = any(re.search(p, str(err)) for p in COMBINATION_ERRORS)
+            assert combination, f"valid settings raised: {err} ({alias}, {hp})"
         return "error"
     return "ok"
 

@@ -75,6 +75,11 @@ def _check(params, alias, lr, wd, state_dtype):
         if isinstance(state_dtype, storage.BlockwiseInt8Storage) or state_dtype == "int8":
             # uint8 codes and float32 block scales (or float32 moments for small tensors)
             assert all(m.dtype in (jnp.uint8, jnp.float32) for m in moments)
+            # INT8_ALL (min_size=0) quantizes every non-empty tensor; "int8" (min_size
+            # 4096) none of these, which have at most 64 elements.
+            quantized = any(m.dtype == jnp.uint8 for m in moments)
+            non_empty = any(p.size > 0 for p in jax.tree.leaves(params))
+            assert quantized == (state_dtype is INT8_ALL and non_empty)
         else:
             assert all(m.dtype == jnp.dtype(state_dtype) for m in moments)
 

@@ -449,7 +449,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--scale", choices=SCALES, default="quick",
         help="quick: 11-30 min on 2 CPU cores, by CPU (default); full: sized for one GPU; "
-        "smoke: 2-4 min, for tests (also OPTAX_DECOUPLED_SMOKE=1)",
+        "smoke: several minutes, for tests (also OPTAX_DECOUPLED_SMOKE=1)",
     )  # fmt: skip
     parser.add_argument("--out", default="results", help="output directory (default: results)")
     parser.add_argument(

@@ -658,6 +658,35 @@ def test_encoder_table_layout():
 
 
 @needs_kernel
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_vbmi_encoder_holds_both_maps_tables(signed):
+    """The VBMI encoder (byte permutes of a table of at most 256 entries, built in the kernel
+    from `encoder_table`) accepts both maps' tables, so that on CPUs with AVX-512 VBMI the
+    `best` case of `test_encoder_equals_the_table_lookup_near_every_decision_point` runs it
+    (the kernel would silently keep the gather for a table it cannot hold). A table whose
+    entries stop short of 1.0 is refused."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(cpu_kernel._library_path()))
+    lib.OdByteTableAccepted.restype = ctypes.c_int
+    lib.OdByteTableAccepted.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+
+    def accepted(table):
+        table = np.ascontiguousarray(table, np.int32)
+        return lib.OdByteTableAccepted(table.ctypes.data, table.size)
+
+    table = cpu_kernel.encoder_table(signed)
+    if accepted(table) == -1:
+        pytest.skip("the kernel has no AVX-512 code on this platform (not x86-64)")
+    assert accepted(table) == 1
+    shift, first, n = (int(v) for v in table[:3])
+    cut = n - 64  # drop the top 64 entries of each side
+    short = np.concatenate([[shift, first, cut, table[3], 0, 0, 0, 0],
+                            table[8 : 8 + cut], table[8 + n : 8 + n + cut]])  # fmt: skip
+    assert accepted(short) == 0
+
+
+@needs_kernel
 def test_inside_shard_map_the_loop_is_used():
     """The experiments train grids of configurations with a shard_map over devices; there
     the update takes XLA's loop (its results carry shard_map's manual-axis types), and

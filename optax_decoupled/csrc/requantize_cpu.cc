@@ -5,8 +5,9 @@
 // block absmax and encode the new values to the nearest map entry (Dettmers et al., "8-bit
 // Optimizers via Block-wise Quantization", ICLR 2022). Each block is read once and written
 // once; blocks are spread over XLA's intra-op thread pool. The decode has hand-written
-// AVX-512 versions (VBMI byte permutes, AVX-512F register permutes) and the encoder one
-// (an explicit gather), picked at run time on CPUs that have them; everything else is
+// AVX-512 versions (VBMI byte permutes, AVX-512F register permutes) and the encoder two
+// (VBMI byte permutes of a smaller table, EncodeBlockVbmi; an explicit gather,
+// EncodeBlockAvx512), picked at run time on CPUs that have them; everything else is
 // portable C++ that the compiler vectorizes (target clones for AVX-512, AVX2 and baseline
 // x86-64). With out_mode it also computes the transform's output (Adam's, AMSGrad's or
 // Lion's, AdamOutBlock/LionOutBlock) from each block's new float32 moments, before they are
@@ -476,6 +477,261 @@ OD_AVX512 void EncodeBlockAvx512(const float* x, float factor, float scale, floa
   EncodeBlock(x + full, factor, scale, lo, entries, shift, first, n, block - full,
               codes + full);
 }
+
+// The encoder again without a gather (AVX-512 VBMI): on CPUs whose gather is slow (Zen 4's
+// 16-element gather took 0.38 of the AVX-512 encoder's 0.62 ns per element, one core, in
+// cache) the table lookup is done by byte permutes, as the VBMI decode does it. The packed
+// table above has thousands of entries; this one has at most 256 (ByteTable): the top bits
+// of |y| pick its octave (a 32-entry register table: where the octave's entries start and
+// how many mantissa bits index them, as few as leave at most two decision points in each
+// entry's interval), and the entry holds five bytes, each in a plane of four registers: the
+// code at the interval's start and the 16 bits of each of its (at most two) decision points
+// that follow the index bits. |y|'s own 16 bits there, compared with them as two bytes,
+// give the code; where they equal a point's (|y| within 2^-16 of the interval of the point,
+// about once in 30,000 elements) or |y| is NaN, the 16 elements go through
+// EncodeBlockAvx512 instead. The signed map's negative side is its positive side mirrored
+// (code 254 - c, 0 at the far end), which BuildByteTable checks, so one table serves both.
+// The codes are EncodeBlockAvx512's (tests/test_cpu_kernel.py, every float32 near every
+// decision point); BuildByteTable refuses a table it cannot represent, and the caller then
+// keeps EncodeBlockAvx512.
+#define OD_AVX512_VBMI_ENC __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vl")))
+
+struct ByteTable {
+  alignas(64) uint8_t plane[5][256];  // code, point 1 high/low byte, point 2 high/low byte
+  alignas(64) int32_t octave[32];     // entry index | (shift << 16)
+  int32_t octave_offset;              // |y|'s exponent field minus this indexes `octave`
+  bool ok;
+  bool mirrored;  // signed: the negative side is the positive side's mirror image
+};
+
+// Encoder e's code for |y| = mag on one side (0: y >= 0, 1: y < 0), as EncodeBlock.
+inline int FineCode(const Encoder& e, uint32_t mag, int side) {
+  int32_t index = static_cast<int32_t>(mag >> e.shift) - e.first;
+  index = std::min(std::max(index, 0), e.n - 1);
+  const int32_t entry = e.entries[index + side * e.n];
+  const uint32_t low_mask = (1u << e.shift) - 1u;
+  const int above = static_cast<int32_t>(mag & low_mask) > (entry >> 8);
+  return side ? ((entry & 0xff) - above) & 0xff : ((entry & 0xff) + above) & 0xff;
+}
+
+ByteTable BuildByteTable(const Encoder& e) {
+  ByteTable t{};
+  t.ok = false;
+  const uint32_t never = 1u << e.shift;
+  const uint32_t one = 0x3f800000u;  // |y| <= 1
+  // The decision points of the positive side, as float32 bits, in increasing order.
+  std::vector<uint32_t> points;
+  for (int32_t i = 0; i < e.n; ++i) {
+    const uint32_t low = static_cast<uint32_t>(e.entries[i] >> 8);
+    if (low < never) points.push_back((static_cast<uint32_t>(e.first + i) << e.shift) + low);
+  }
+  const uint32_t lowest = static_cast<uint32_t>(e.first) << e.shift;
+  const int32_t e0 = static_cast<int32_t>(lowest >> 23);  // the first octave with entries
+  if (e0 < 127 - 30 || e0 > 127) return t;
+  if (static_cast<uint32_t>(e.entries[0] >> 8) < never) return t;  // a point below `first`
+  if ((static_cast<uint64_t>(e.first + e.n) << e.shift) <= one) return t;  // entries end below 1
+  t.octave_offset = e0 - 1;
+  int next = 0;
+  auto add_entry = [&](int code, const uint32_t* p, int count, int shift) {
+    t.plane[0][next] = static_cast<uint8_t>(code);
+    for (int k = 0; k < 2; ++k) {
+      const uint32_t key = k < count ? ((p[k] & ((1u << shift) - 1u)) >> (shift - 16)) : 0xffffu;
+      t.plane[1 + 2 * k][next] = static_cast<uint8_t>(key >> 8);
+      t.plane[2 + 2 * k][next] = static_cast<uint8_t>(key);
+    }
+    ++next;
+  };
+  // Octave index 0: everything below octave e0 (one code, no decision point).
+  t.octave[0] = 0 | (23 << 16);
+  add_entry(FineCode(e, 0, 0), nullptr, 0, 23);
+  size_t p = 0;
+  for (int32_t ex = e0; ex <= 127; ++ex) {
+    const uint32_t start = static_cast<uint32_t>(ex) << 23, end = start + (1u << 23);
+    const size_t begin = p;
+    while (p < points.size() && points[p] < end) ++p;
+    int bits = 0;
+    for (; bits <= 7; ++bits) {  // the fewest index bits with <= 2 points per interval
+      int most = 0;
+      for (size_t a = begin, b = begin; a < p; a = b) {
+        while (b < p && (points[b] >> (23 - bits)) == (points[a] >> (23 - bits))) ++b;
+        most = std::max(most, static_cast<int>(b - a));
+      }
+      if (most <= 2) break;
+    }
+    if (bits > 7 || next + (1 << bits) > 256) return t;
+    const int shift = 23 - bits;
+    t.octave[ex - t.octave_offset] = next | (shift << 16);
+    for (uint32_t s = 0; s < (1u << bits); ++s) {
+      const uint32_t lo = start + (s << shift), hi = lo + (1u << shift);
+      size_t a = begin;
+      while (a < p && points[a] < lo) ++a;
+      size_t b = a;
+      while (b < p && points[b] < hi) ++b;
+      const int count = static_cast<int>(b - a);
+      const int code = FineCode(e, lo, 0);
+      // The encoder's code must step up by one just above each point and nowhere else.
+      for (int k = 0; k < count; ++k) {
+        const uint32_t q = points[a + k];
+        if (FineCode(e, q, 0) != code + k || (q + 1 < hi && FineCode(e, q + 1, 0) != code + k + 1))
+          return t;
+      }
+      const uint32_t top = std::min(hi - 1, one);  // |y| <= 1
+      int below_top = 0;
+      for (int k = 0; k < count; ++k) below_top += points[a + k] < top;
+      if (FineCode(e, top, 0) != code + below_top) return t;
+      add_entry(code, count ? &points[a] : nullptr, count, shift);
+    }
+    if (ex == 127) break;
+  }
+  for (int j = 127 - t.octave_offset + 1; j < 32; ++j) t.octave[j] = 0 | (23 << 16);  // NaN
+  // The negative side: the signed map's mirror image (code 254 - c, saturating at 0), or
+  // for the unsigned map only -0.0 (whose code is +0.0's). Each side's code is a step
+  // function of |y| within each packed entry, so comparing at every step of either side and
+  // at each entry's ends covers every |y|.
+  if (e.lo < 0.0f) {
+    for (int32_t i = 0; i < e.n; ++i) {
+      const uint32_t lo = i == 0 ? 0u : (static_cast<uint32_t>(e.first + i) << e.shift);
+      const uint32_t hi = (static_cast<uint32_t>(e.first + i + 1) << e.shift) - 1u;
+      const uint32_t base = static_cast<uint32_t>(e.first + i) << e.shift;
+      uint32_t at[6] = {lo, hi, hi, hi, hi, hi};
+      int m = 2;
+      for (int side = 0; side < 2; ++side) {
+        const uint32_t low = static_cast<uint32_t>(e.entries[i + side * e.n] >> 8);
+        if (low < never) {
+          at[m++] = base + low;
+          at[m++] = base + low + 1;
+        }
+      }
+      for (int k = 0; k < m; ++k) {
+        const uint32_t mag = std::min(at[k], one);
+        if (FineCode(e, mag, 1) != std::max(254 - FineCode(e, mag, 0), 0)) return t;
+      }
+      if (lo > one) break;
+    }
+    t.mirrored = true;
+  } else if (FineCode(e, 0, 1) != FineCode(e, 0, 0)) {
+    return t;
+  }
+  t.ok = true;
+  return t;
+}
+
+// BuildByteTable(e), built once per table (the kernel gets the same constant tables on
+// every call) and kept for the life of the process.
+const ByteTable* CachedByteTable(const Encoder& e) {
+  static std::mutex mu;
+  static std::vector<std::pair<std::vector<int32_t>, std::unique_ptr<ByteTable>>> cache;
+  std::vector<int32_t> key = {e.shift, e.first, e.n, e.lo < 0.0f};
+  key.insert(key.end(), e.entries, e.entries + 2 * e.n);
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& c : cache) {
+    if (c.first == key) return c.second.get();
+  }
+  cache.emplace_back(std::move(key), std::make_unique<ByteTable>(BuildByteTable(e)));
+  return cache.back().second.get();
+}
+
+struct ByteTableRegisters {
+  __m512i p[5][4];
+  __m512i octave_lo, octave_hi;
+};
+
+OD_AVX512_VBMI_ENC inline __m512i Lookup256(const __m512i (&r)[4], __m512i index) {
+  const __mmask64 high = _mm512_movepi8_mask(index);
+  const __m512i lo = _mm512_permutex2var_epi8(r[0], index, r[1]);
+  const __m512i hi = _mm512_permutex2var_epi8(r[2], index, r[3]);
+  return _mm512_mask_blend_epi8(high, lo, hi);
+}
+
+// Byte `o` of each int32 of four vectors of 16, as 64 bytes in element order: two byte
+// permutes of two vectors each and a blend (vpmovdb and inserts took twice as long).
+struct BytePicker {
+  alignas(64) uint8_t sel[3][64];
+  BytePicker() {
+    for (int o = 0; o < 3; ++o)
+      for (int j = 0; j < 64; ++j) sel[o][j] = static_cast<uint8_t>((j % 32 < 16 ? 0 : 64) + 4 * (j % 16) + o);
+  }
+};
+const BytePicker kBytePicker;
+
+OD_AVX512_VBMI_ENC inline __m512i PickBytes(const __m512i (&v)[4], __m512i sel) {
+  const __m512i ab = _mm512_permutex2var_epi8(v[0], sel, v[1]);
+  const __m512i cd = _mm512_permutex2var_epi8(v[2], sel, v[3]);
+  return _mm512_mask_blend_epi8(0xffffffff00000000ull, ab, cd);
+}
+
+// |y|'s key (two bytes) above a decision point's key (hi, lo)? And equal to it?
+OD_AVX512_VBMI_ENC inline __mmask64 KeyAbove(__m512i yh, __m512i yl, __m512i h, __m512i l,
+                                             __mmask64* equal) {
+  const __mmask64 eq_h = _mm512_cmpeq_epi8_mask(yh, h);
+  const __mmask64 eq_l = _mm512_cmpeq_epi8_mask(yl, l);
+  *equal |= eq_h & eq_l;
+  return _mm512_cmpgt_epu8_mask(yh, h) | (eq_h & _mm512_cmpgt_epu8_mask(yl, l));
+}
+
+OD_AVX512_VBMI_ENC void EncodeBlockVbmi(const ByteTable& t, const float* x, float factor,
+                                        float scale, float lo, const int32_t* entries,
+                                        int32_t shift, int32_t first, int32_t n, int block,
+                                        uint8_t* codes) {
+  ByteTableRegisters r;
+  for (int j = 0; j < 5; ++j)
+    for (int h = 0; h < 4; ++h) r.p[j][h] = _mm512_load_si512(t.plane[j] + 64 * h);
+  r.octave_lo = _mm512_load_si512(t.octave);
+  r.octave_hi = _mm512_load_si512(t.octave + 16);
+  const __m512 f = _mm512_set1_ps(factor), s = _mm512_set1_ps(scale);
+  const __m512 vlo = _mm512_set1_ps(lo), vone = _mm512_set1_ps(1.0f);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), mant_mask = _mm512_set1_epi32(0x7fffff);
+  const __m512i one_bits = _mm512_set1_epi32(0x3f800000);
+  const __m512i offset = _mm512_set1_epi32(t.octave_offset), last = _mm512_set1_epi32(31);
+  const __m512i zero = _mm512_setzero_si512(), low16 = _mm512_set1_epi32(0xffff);
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  const __m512i ones = _mm512_set1_epi8(1), far = _mm512_set1_epi8(static_cast<char>(254));
+  const int full = block - block % 64;
+  for (int i = 0; i < full; i += 64) {
+    __m512i packed[4];  // per element: entry index | |y|'s key << 8
+    uint64_t neg = 0, odd = 0;
+    for (int q = 0; q < 4; ++q) {
+      // y, its sign and |y| exactly as EncodeBlockAvx512 computes them.
+      const __m512 v = _mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i + 16 * q), f), s);
+      const __m512 y = _mm512_min_ps(vone, _mm512_max_ps(vlo, v));
+      const __m512i u = _mm512_castps_si512(y);
+      const __m512i mag = _mm512_and_si512(u, abs_mask);
+      neg |= static_cast<uint64_t>(_mm512_cmplt_epi32_mask(u, zero)) << (16 * q);
+      odd |= static_cast<uint64_t>(_mm512_cmpgt_epi32_mask(mag, one_bits)) << (16 * q);  // NaN
+      __m512i oct = _mm512_sub_epi32(_mm512_srli_epi32(mag, 23), offset);
+      oct = _mm512_min_epi32(_mm512_max_epi32(oct, zero), last);
+      const __m512i entry = _mm512_permutex2var_epi32(r.octave_lo, oct, r.octave_hi);
+      const __m512i sh = _mm512_srli_epi32(entry, 16);
+      const __m512i mant = _mm512_and_si512(mag, mant_mask);
+      const __m512i index = _mm512_add_epi32(_mm512_and_si512(entry, low16), _mm512_srlv_epi32(mant, sh));
+      const __m512i key = _mm512_and_si512(
+          _mm512_srlv_epi32(mant, _mm512_sub_epi32(sh, sixteen)), low16);
+      packed[q] = _mm512_or_si512(index, _mm512_slli_epi32(key, 8));
+    }
+    const __m512i idx = PickBytes(packed, _mm512_load_si512(kBytePicker.sel[0]));
+    const __m512i yl = PickBytes(packed, _mm512_load_si512(kBytePicker.sel[1]));
+    const __m512i yh = PickBytes(packed, _mm512_load_si512(kBytePicker.sel[2]));
+    __m512i code = Lookup256(r.p[0], idx);
+    __mmask64 equal = 0;
+    const __mmask64 above1 = KeyAbove(yh, yl, Lookup256(r.p[1], idx), Lookup256(r.p[2], idx), &equal);
+    const __mmask64 above2 = KeyAbove(yh, yl, Lookup256(r.p[3], idx), Lookup256(r.p[4], idx), &equal);
+    code = _mm512_mask_add_epi8(code, above1, code, ones);
+    code = _mm512_mask_add_epi8(code, above2, code, ones);
+    if (t.mirrored) code = _mm512_mask_subs_epu8(code, _cvtu64_mask64(neg), far, code);
+    _mm512_storeu_si512(codes + i, code);
+    const uint64_t redo = static_cast<uint64_t>(equal) | odd;
+    if (redo != 0) {
+      for (int q = 0; q < 4; ++q) {
+        if ((redo >> (16 * q)) & 0xffffu) {
+          EncodeBlockAvx512(x + i + 16 * q, factor, scale, lo, entries, shift, first, n, 16,
+                            codes + i + 16 * q);
+        }
+      }
+    }
+  }
+  EncodeBlockAvx512(x + full, factor, scale, lo, entries, shift, first, n, block - full,
+                    codes + full);
+}
 #endif
 
 // The transform's output, computed from the block's new float32 moments as the transform
@@ -520,13 +776,23 @@ constexpr float kF32Max = 3.4028234663852886e38f;
 
 // Quantizes one block of float32 values x: absmax as jnp.max(jnp.abs(x)) saturated at
 // float32.max, the power-of-two rescaling of quantization._scales, nearest codes.
+// With `byte_table` (a ByteTable that BuildByteTable accepted) the VBMI encoder runs
+// instead of `encode`.
 void QuantizeBlock(const float* x, const Encoder& e, int block, uint8_t* codes,
-                   float* absmax_out, uint32_t absmax_bits, EncodeFn encode) {
+                   float* absmax_out, uint32_t absmax_bits, EncodeFn encode,
+                   const void* byte_table) {
   float a = FloatOf(absmax_bits);
   a = (a != a) ? a : std::min(a, kF32Max);
   const float factor = a > 0x1p100f ? 0x1p-64f : (a < 0x1p-100f ? 0x1p64f : 1.0f);
   const float scale = a > 0.0f ? a * factor : 1.0f;
   *absmax_out = a;
+#if defined(OD_X86_AVX512)
+  if (byte_table != nullptr) {
+    EncodeBlockVbmi(*static_cast<const ByteTable*>(byte_table), x, factor, scale, e.lo,
+                    e.entries, e.shift, e.first, e.n, block, codes);
+    return;
+  }
+#endif
   encode(x, factor, scale, e.lo, e.entries, e.shift, e.first, e.n, block, codes);
 }
 
@@ -754,6 +1020,14 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
   std::vector<MapPlanes> planes;
   for (int64_t k = 0; k < n_moments && vbmi; ++k) planes.push_back(PlanesOf(enc[k].qmap));
 #endif
+  // The VBMI encoder goes with the VBMI decode, for each map whose table it can hold.
+  std::vector<const void*> byte_tables(n_moments, nullptr);
+#if defined(OD_X86_AVX512)
+  for (int64_t k = 0; k < n_moments && vbmi; ++k) {
+    const ByteTable* t = CachedByteTable(enc[k]);
+    if (t->ok) byte_tables[k] = t;
+  }
+#endif
 
   auto work = [&](int64_t task) {
     ScopedFlushDenormals flush;
@@ -819,7 +1093,7 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
       // may alias the inputs (the new state written in place of the old).
       for (int64_t k = 0; k < n_moments; ++k) {
         QuantizeBlock(values.data() + k * block, enc[k], b, codes_out[k] + off,
-                      absmax_out[k] + blk, top[k], encode);
+                      absmax_out[k] + blk, top[k], encode, byte_tables[k]);
       }
     }
   };
@@ -1059,6 +1333,24 @@ extern "C" __attribute__((visibility("default"))) int OdUsesAvx512() {
 
 extern "C" __attribute__((visibility("default"))) int OdUsesAvx512Vbmi() {
   return CpuHasAvx512Vbmi() ? 1 : 0;
+}
+
+// Whether the VBMI encoder can hold the packed encoder table `table` (cpu_kernel.encoder_table,
+// `size` int32s): 1 yes, 0 no, -1 where the library has no AVX-512 code (not x86-64). For the
+// tests: the kernel silently keeps the gather encoder for a table it cannot hold.
+extern "C" __attribute__((visibility("default"))) int OdByteTableAccepted(const int32_t* table,
+                                                                          int64_t size) {
+#if defined(OD_X86_AVX512)
+  if (size < kHeader || table[2] < 1 || size != kHeader + 2 * static_cast<int64_t>(table[2])) {
+    return 0;
+  }
+  const Encoder e{nullptr, table + kHeader, table[0], table[1], table[2], table[3] ? -1.0f : 0.0f};
+  return BuildByteTable(e).ok ? 1 : 0;
+#else
+  (void)table;
+  (void)size;
+  return -1;
+#endif
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdRequantizeEma, RequantizeEmaImpl,

@@ -498,8 +498,9 @@ OD_AVX512 void EncodeBlockAvx512(const float* x, float factor, float scale, floa
 
 struct ByteTable {
   alignas(64) uint8_t plane[5][256];  // code, point 1 high/low byte, point 2 high/low byte
-  alignas(64) int32_t octave[32];     // entry index | (shift << 16)
-  int32_t octave_offset;              // |y|'s exponent field minus this indexes `octave`
+  alignas(64) int32_t octave[32];     // by exponent mod 32: first entry << 16 | (shift - 16)
+  uint32_t lowest;                    // smaller |y| have its code: it is raised to this
+  int entries;
   bool ok;
   bool mirrored;  // signed: the negative side is the positive side's mirror image
 };
@@ -527,10 +528,10 @@ ByteTable BuildByteTable(const Encoder& e) {
   }
   const uint32_t lowest = static_cast<uint32_t>(e.first) << e.shift;
   const int32_t e0 = static_cast<int32_t>(lowest >> 23);  // the first octave with entries
-  if (e0 < 127 - 30 || e0 > 127) return t;
+  if (e0 < 127 - 31 || e0 > 127) return t;
   if (static_cast<uint32_t>(e.entries[0] >> 8) < never) return t;  // a point below `first`
   if ((static_cast<uint64_t>(e.first + e.n) << e.shift) <= one) return t;  // entries end below 1
-  t.octave_offset = e0 - 1;
+  t.lowest = static_cast<uint32_t>(e0) << 23;  // in entry 0's interval, as everything below
   int next = 0;
   auto add_entry = [&](int code, const uint32_t* p, int count, int shift) {
     t.plane[0][next] = static_cast<uint8_t>(code);
@@ -541,9 +542,7 @@ ByteTable BuildByteTable(const Encoder& e) {
     }
     ++next;
   };
-  // Octave index 0: everything below octave e0 (one code, no decision point).
-  t.octave[0] = 0 | (23 << 16);
-  add_entry(FineCode(e, 0, 0), nullptr, 0, 23);
+  if (FineCode(e, t.lowest, 0) != FineCode(e, 0, 0)) return t;
   size_t p = 0;
   for (int32_t ex = e0; ex <= 127; ++ex) {
     const uint32_t start = static_cast<uint32_t>(ex) << 23, end = start + (1u << 23);
@@ -560,7 +559,7 @@ ByteTable BuildByteTable(const Encoder& e) {
     }
     if (bits > 7 || next + (1 << bits) > 256) return t;
     const int shift = 23 - bits;
-    t.octave[ex - t.octave_offset] = next | (shift << 16);
+    t.octave[ex & 31] = (next << 16) | (shift - 16);
     for (uint32_t s = 0; s < (1u << bits); ++s) {
       const uint32_t lo = start + (s << shift), hi = lo + (1u << shift);
       size_t a = begin;
@@ -583,7 +582,7 @@ ByteTable BuildByteTable(const Encoder& e) {
     }
     if (ex == 127) break;
   }
-  for (int j = 127 - t.octave_offset + 1; j < 32; ++j) t.octave[j] = 0 | (23 << 16);  // NaN
+  t.entries = next;  // NaN's exponent (255) reads octave 127's entry: EncodeBlockAvx512 redoes it
   // The negative side: the signed map's mirror image (code 254 - c, saturating at 0), or
   // for the unsigned map only -0.0 (whose code is +0.0's). Each side's code is a step
   // function of |y| within each packed entry, so comparing at every step of either side and
@@ -669,52 +668,60 @@ OD_AVX512_VBMI_ENC inline __mmask64 KeyAbove(__m512i yh, __m512i yl, __m512i h, 
   return _mm512_cmpgt_epu8_mask(yh, h) | (eq_h & _mm512_cmpgt_epu8_mask(yl, l));
 }
 
-OD_AVX512_VBMI_ENC void EncodeBlockVbmi(const ByteTable& t, const float* x, float factor,
-                                        float scale, float lo, const int32_t* entries,
-                                        int32_t shift, int32_t first, int32_t n, int block,
-                                        uint8_t* codes) {
+// Up to 128 entries one two-register byte permute per plane reads them (`small`), else two
+// and a blend.
+template <bool small>
+OD_AVX512_VBMI_ENC void EncodeBlockVbmiT(const ByteTable& t, const float* x, float factor,
+                                         float scale, float lo, const int32_t* entries,
+                                         int32_t shift, int32_t first, int32_t n, int block,
+                                         uint8_t* codes) {
   ByteTableRegisters r;
   for (int j = 0; j < 5; ++j)
-    for (int h = 0; h < 4; ++h) r.p[j][h] = _mm512_load_si512(t.plane[j] + 64 * h);
+    for (int h = 0; h < (small ? 2 : 4); ++h) r.p[j][h] = _mm512_load_si512(t.plane[j] + 64 * h);
   r.octave_lo = _mm512_load_si512(t.octave);
   r.octave_hi = _mm512_load_si512(t.octave + 16);
+  auto lookup = [&](int j, __m512i index) OD_AVX512_VBMI_ENC {
+    return small ? _mm512_permutex2var_epi8(r.p[j][0], index, r.p[j][1]) : Lookup256(r.p[j], index);
+  };
+  const bool scaled = factor != 1.0f;  // x * 1 is x: skip the multiply
   const __m512 f = _mm512_set1_ps(factor), s = _mm512_set1_ps(scale);
   const __m512 vlo = _mm512_set1_ps(lo), vone = _mm512_set1_ps(1.0f);
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), mant_mask = _mm512_set1_epi32(0x7fffff);
-  const __m512i one_bits = _mm512_set1_epi32(0x3f800000);
-  const __m512i offset = _mm512_set1_epi32(t.octave_offset), last = _mm512_set1_epi32(31);
-  const __m512i zero = _mm512_setzero_si512(), low16 = _mm512_set1_epi32(0xffff);
-  const __m512i sixteen = _mm512_set1_epi32(16);
+  const __m512i one_bits = _mm512_set1_epi32(0x3f800000), count_mask = _mm512_set1_epi32(0xff);
+  const __m512i lowest = _mm512_set1_epi32(static_cast<int32_t>(t.lowest));
+  const __m512i zero = _mm512_setzero_si512();
   const __m512i ones = _mm512_set1_epi8(1), far = _mm512_set1_epi8(static_cast<char>(254));
+  const __m512i pick_index = _mm512_load_si512(kBytePicker.sel[2]);
+  const __m512i pick_lo = _mm512_load_si512(kBytePicker.sel[0]);
+  const __m512i pick_hi = _mm512_load_si512(kBytePicker.sel[1]);
   const int full = block - block % 64;
   for (int i = 0; i < full; i += 64) {
-    __m512i packed[4];  // per element: entry index | |y|'s key << 8
+    __m512i packed[4];  // per element: |y|'s key (bytes 0, 1) and entry index (byte 2)
     uint64_t neg = 0, odd = 0;
     for (int q = 0; q < 4; ++q) {
       // y, its sign and |y| exactly as EncodeBlockAvx512 computes them.
-      const __m512 v = _mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i + 16 * q), f), s);
+      const __m512 xq = _mm512_loadu_ps(x + i + 16 * q);
+      const __m512 v = _mm512_div_ps(scaled ? _mm512_mul_ps(xq, f) : xq, s);
       const __m512 y = _mm512_min_ps(vone, _mm512_max_ps(vlo, v));
       const __m512i u = _mm512_castps_si512(y);
       const __m512i mag = _mm512_and_si512(u, abs_mask);
       neg |= static_cast<uint64_t>(_mm512_cmplt_epi32_mask(u, zero)) << (16 * q);
       odd |= static_cast<uint64_t>(_mm512_cmpgt_epi32_mask(mag, one_bits)) << (16 * q);  // NaN
-      __m512i oct = _mm512_sub_epi32(_mm512_srli_epi32(mag, 23), offset);
-      oct = _mm512_min_epi32(_mm512_max_epi32(oct, zero), last);
-      const __m512i entry = _mm512_permutex2var_epi32(r.octave_lo, oct, r.octave_hi);
-      const __m512i sh = _mm512_srli_epi32(entry, 16);
-      const __m512i mant = _mm512_and_si512(mag, mant_mask);
-      const __m512i index = _mm512_add_epi32(_mm512_and_si512(entry, low16), _mm512_srlv_epi32(mant, sh));
-      const __m512i key = _mm512_and_si512(
-          _mm512_srlv_epi32(mant, _mm512_sub_epi32(sh, sixteen)), low16);
-      packed[q] = _mm512_or_si512(index, _mm512_slli_epi32(key, 8));
+      // The octave's entry by |y|'s exponent (the permute reads its low 5 bits).
+      const __m512i raised = _mm512_max_epu32(mag, lowest);
+      const __m512i entry =
+          _mm512_permutex2var_epi32(r.octave_lo, _mm512_srli_epi32(raised, 23), r.octave_hi);
+      const __m512i count = _mm512_and_si512(entry, count_mask);  // shift - 16
+      const __m512i bits = _mm512_srlv_epi32(_mm512_and_si512(raised, mant_mask), count);
+      // bits: the interval within the octave above bit 16, the key below; + first << 16.
+      packed[q] = _mm512_add_epi32(bits, _mm512_sub_epi32(entry, count));
     }
-    const __m512i idx = PickBytes(packed, _mm512_load_si512(kBytePicker.sel[0]));
-    const __m512i yl = PickBytes(packed, _mm512_load_si512(kBytePicker.sel[1]));
-    const __m512i yh = PickBytes(packed, _mm512_load_si512(kBytePicker.sel[2]));
-    __m512i code = Lookup256(r.p[0], idx);
+    const __m512i idx = PickBytes(packed, pick_index);
+    const __m512i yl = PickBytes(packed, pick_lo), yh = PickBytes(packed, pick_hi);
+    __m512i code = lookup(0, idx);
     __mmask64 equal = 0;
-    const __mmask64 above1 = KeyAbove(yh, yl, Lookup256(r.p[1], idx), Lookup256(r.p[2], idx), &equal);
-    const __mmask64 above2 = KeyAbove(yh, yl, Lookup256(r.p[3], idx), Lookup256(r.p[4], idx), &equal);
+    const __mmask64 above1 = KeyAbove(yh, yl, lookup(1, idx), lookup(2, idx), &equal);
+    const __mmask64 above2 = KeyAbove(yh, yl, lookup(3, idx), lookup(4, idx), &equal);
     code = _mm512_mask_add_epi8(code, above1, code, ones);
     code = _mm512_mask_add_epi8(code, above2, code, ones);
     if (t.mirrored) code = _mm512_mask_subs_epu8(code, _cvtu64_mask64(neg), far, code);
@@ -731,6 +738,13 @@ OD_AVX512_VBMI_ENC void EncodeBlockVbmi(const ByteTable& t, const float* x, floa
   }
   EncodeBlockAvx512(x + full, factor, scale, lo, entries, shift, first, n, block - full,
                     codes + full);
+}
+
+void EncodeBlockVbmi(const ByteTable& t, const float* x, float factor, float scale, float lo,
+                     const int32_t* entries, int32_t shift, int32_t first, int32_t n, int block,
+                     uint8_t* codes) {
+  (t.entries <= 128 ? EncodeBlockVbmiT<true> : EncodeBlockVbmiT<false>)(
+      t, x, factor, scale, lo, entries, shift, first, n, block, codes);
 }
 #endif
 

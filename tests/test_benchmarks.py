@@ -52,3 +52,32 @@ def test_state_memory_refuses_blocks_of_one_step(state_memory, capsys):
     with pytest.raises(SystemExit):
         state_memory.main(["--block", "1", "--sizes", "1e3"])
     assert "--block must be at least 2" in capsys.readouterr().err
+
+
+def test_encoder_speed_runs_every_encoder_the_cpu_has():
+    """`benchmarks/encoder_speed.py` builds the kernel's encoders with the package's flags and
+    times each one the CPU can run; it exits with an error if their codes differ (here at one
+    pass over the inputs). Skipped without a C++ compiler, which the kernel needs too."""
+    import os
+    import shutil
+
+    from optax_decoupled import cpu_kernel
+
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler to build the encoders with")
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "encoder_speed_bench", BENCHMARKS / "encoder_speed.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        results = module.main(["--repeats", "1"])
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert [r["map"] for r in results] == ["signed", "unsigned"]
+    for r in results:
+        assert r["same_codes"] is True
+        if cpu_kernel.available():  # the kernel's own choice, from the same CPU checks
+            assert ("avx512_ns" in r) == cpu_kernel.uses_avx512()
+            assert ("vbmi_ns" in r) == cpu_kernel.uses_avx512_vbmi()

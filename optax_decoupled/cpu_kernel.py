@@ -13,7 +13,7 @@ as four planes of bytes, :func:`uses_avx512_vbmi`), else 32-bit permutes (the 25
 held in 16 registers, :func:`uses_avx512`); elsewhere, loops the compiler vectorized, with
 the same values. The encoder's table lookup is an AVX-512 gather, or with AVX-512 VBMI byte
 permutes of a table of at most 256 entries derived from the same one (``EncodeBlockVbmi``,
-the same codes; 15-25% faster 8-bit update steps on a Zen 4 EPYC, whose gather is slow,
+the same codes; 15-30% faster 8-bit update steps on a Zen 4 EPYC, whose gather is slow,
 ``docs/memory.md``).
 
 The kernel computes what :func:`~optax_decoupled.quantization.dequantize`, the update and

@@ -481,19 +481,19 @@ OD_AVX512 void EncodeBlockAvx512(const float* x, float factor, float scale, floa
 // The encoder again without a gather (AVX-512 VBMI): on CPUs whose gather is slow (Zen 4's
 // 16-element gather took 0.38 of the AVX-512 encoder's 0.62 ns per element, one core, in
 // cache) the table lookup is done by byte permutes, as the VBMI decode does it. The packed
-// table above has thousands of entries; this one has at most 256 (ByteTable): the top bits
-// of |y| pick its octave (a 32-entry register table: where the octave's entries start and
-// how many mantissa bits index them, as few as leave at most two decision points in each
-// entry's interval), and the entry holds five bytes, each in a plane of four registers: the
-// code at the interval's start and the 16 bits of each of its (at most two) decision points
-// that follow the index bits. |y|'s own 16 bits there, compared with them as two bytes,
-// give the code; where they equal a point's (|y| within 2^-16 of the interval of the point,
-// about once in 30,000 elements) or |y| is NaN, the 16 elements go through
-// EncodeBlockAvx512 instead. The signed map's negative side is its positive side mirrored
-// (code 254 - c, 0 at the far end), which BuildByteTable checks, so one table serves both.
-// The codes are EncodeBlockAvx512's (tests/test_cpu_kernel.py, every float32 near every
-// decision point); BuildByteTable refuses a table it cannot represent, and the caller then
-// keeps EncodeBlockAvx512.
+// table above has thousands of entries; this one has at most 256 (ByteTable): the exponent of
+// |y| picks its octave from a 32-entry register table (where the octave's entries start and
+// how many mantissa bits index them: as few as leave at most two decision points in each
+// entry's interval), and each entry holds five bytes, each in a plane of registers: the code
+// at the interval's start and the 16 bits of each of its (at most two) decision points that
+// follow the index bits. |y|'s own 16 bits there, compared with them as two bytes, give the
+// code; where they equal a point's (|y| in the same 2^-16 of the interval as the point: 3 of
+// 65,536 gradient-like values per map in benchmarks/encoder_speed) or |y| is NaN, the 16
+// elements go through EncodeBlockAvx512 instead. The signed map's negative side is its
+// positive side mirrored (code 254 - c, 0 at the far end), which BuildByteTable checks, so
+// one table serves both. The codes are EncodeBlockAvx512's (tests/test_cpu_kernel.py, every
+// float32 near every decision point); BuildByteTable refuses a table it cannot represent, and
+// the caller then keeps EncodeBlockAvx512.
 #define OD_AVX512_VBMI_ENC __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vl")))
 
 struct ByteTable {
@@ -515,6 +515,23 @@ inline int FineCode(const Encoder& e, uint32_t mag, int side) {
   return side ? ((entry & 0xff) - above) & 0xff : ((entry & 0xff) + above) & 0xff;
 }
 
+// ByteTable t's code for |y| = mag <= 1 (positive side), as EncodeBlockVbmi computes it, or
+// -1 where its keys are equal and EncodeBlockAvx512 decides.
+inline int ByteTableCode(const ByteTable& t, uint32_t mag) {
+  const uint32_t raised = std::max(mag, t.lowest);
+  const int32_t entry = t.octave[(raised >> 23) & 31];
+  const uint32_t bits = (raised & 0x7fffffu) >> (entry & 0xff);
+  const int index = (entry >> 16) + static_cast<int>(bits >> 16);
+  const uint32_t key = bits & 0xffffu;
+  int code = t.plane[0][index];
+  for (int k = 0; k < 2; ++k) {
+    const uint32_t point = (t.plane[1 + 2 * k][index] << 8) | t.plane[2 + 2 * k][index];
+    if (key == point) return -1;
+    code += key > point;
+  }
+  return code;
+}
+
 ByteTable BuildByteTable(const Encoder& e) {
   ByteTable t{};
   t.ok = false;
@@ -530,13 +547,14 @@ ByteTable BuildByteTable(const Encoder& e) {
   const int32_t e0 = static_cast<int32_t>(lowest >> 23);  // the first octave with entries
   if (e0 < 127 - 31 || e0 > 127) return t;
   if (static_cast<uint32_t>(e.entries[0] >> 8) < never) return t;  // a point below `first`
+  if (e.lo < 0.0f && static_cast<uint32_t>(e.entries[e.n] >> 8) < never) return t;
   if ((static_cast<uint64_t>(e.first + e.n) << e.shift) <= one) return t;  // entries end below 1
   t.lowest = static_cast<uint32_t>(e0) << 23;  // in entry 0's interval, as everything below
   int next = 0;
-  auto add_entry = [&](int code, const uint32_t* p, int count, int shift) {
+  auto add_entry = [&](int code, const uint32_t* at, int count, int shift) {
     t.plane[0][next] = static_cast<uint8_t>(code);
     for (int k = 0; k < 2; ++k) {
-      const uint32_t key = k < count ? ((p[k] & ((1u << shift) - 1u)) >> (shift - 16)) : 0xffffu;
+      const uint32_t key = k < count ? ((at[k] & ((1u << shift) - 1u)) >> (shift - 16)) : 0xffffu;
       t.plane[1 + 2 * k][next] = static_cast<uint8_t>(key >> 8);
       t.plane[2 + 2 * k][next] = static_cast<uint8_t>(key);
     }
@@ -583,6 +601,32 @@ ByteTable BuildByteTable(const Encoder& e) {
     if (ex == 127) break;
   }
   t.entries = next;  // NaN's exponent (255) reads octave 127's entry: EncodeBlockAvx512 redoes it
+  // Both are step functions of |y|: the packed table's steps lie at its entries' bounds and
+  // decision points, this table's at its intervals' bounds and around each point, where |y|
+  // has the point's key (there the gather decides, ByteTableCode -1). Equal at each of those
+  // bounds and just below it, they are equal for every |y| in [0, 1].
+  std::vector<uint32_t> at = {0u, one};
+  for (int32_t i = 0; i <= e.n; ++i) at.push_back(static_cast<uint32_t>(e.first + i) << e.shift);
+  for (uint32_t q : points) {
+    const uint32_t key_bits = (t.octave[(q >> 23) & 31] & 0xff);  // the shift less 16
+    const uint32_t first_with_key = q & ~((1u << key_bits) - 1u);
+    at.push_back(q + 1);
+    at.push_back(first_with_key);
+    at.push_back(first_with_key + (1u << key_bits));
+  }
+  for (int32_t ex = e0; ex <= 127; ++ex) {
+    const int32_t entry = t.octave[ex & 31];
+    const int shift = (entry & 0xff) + 16;
+    for (uint32_t s = 0; s < (1u << (23 - shift)); ++s) {
+      at.push_back((static_cast<uint32_t>(ex) << 23) + (s << shift));
+    }
+  }
+  for (uint32_t m : at) {
+    for (uint32_t mag : {m, m - 1u}) {
+      const int code = mag <= one ? ByteTableCode(t, mag) : -1;
+      if (code != -1 && code != FineCode(e, mag, 0)) return t;
+    }
+  }
   // The negative side: the signed map's mirror image (code 254 - c, saturating at 0), or
   // for the unsigned map only -0.0 (whose code is +0.0's). Each side's code is a step
   // function of |y| within each packed entry, so comparing at every step of either side and

@@ -210,7 +210,9 @@ def uses_avx512() -> bool:
 def uses_avx512_vbmi() -> bool:
     """Whether the kernel decodes the stored codes with AVX-512 VBMI byte permutes on this
     CPU (AVX-512F, BW and VBMI: Intel Ice Lake and later, AMD Zen 4 and later), which is
-    faster than the register permutes of :func:`uses_avx512` (the same values)."""
+    faster than the register permutes of :func:`uses_avx512` (the same values), and
+    encodes them with byte permutes of a table of at most 256 entries instead of an
+    AVX-512 gather (the same codes)."""
     if not _register():
         return False
     return bool(_lib.OdUsesAvx512Vbmi())

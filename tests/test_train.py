@@ -392,11 +392,16 @@ def test_grid_over_devices_and_chunks():
     assert out["resume_start"] == 3 and out["resume_bit_identical"]
     assert out["resumed_param_devices"] == 4
     # 8-bit state with skip_nonfinite (apply_if_finite's lax.cond) inside the shard_map.
-    assert out["int8_skip"].get("param_devices") == 4, out["int8_skip"]
+    int8 = out["int8_skip"]
+    assert int8.get("param_devices") == 4, int8
     # Not 1e-5 as above: the two programs fuse differently, and a rounding difference that
-    # flips one 8-bit code moves a moment by a quantization step (seen: 2.3e-5 - 2.8e-5
-    # after 6 steps of lr <= 3e-2, the parameters having moved by up to ~0.2).
-    assert out["int8_skip"]["param_diff"] < 1e-4, out["int8_skip"]
+    # flips one 8-bit code moves a moment by a step of the map, which later steps carry
+    # (after 6 steps of lr <= 3e-2, the parameters having moved by up to ~0.2; XLA's
+    # program on both): 2.3e-5 - 2.8e-5 on a Zen 1 EPYC, 6.5e-4 on a Zen 4 (the same with
+    # the package before and after its VBMI encoder, which this does not run). A mixed-up
+    # or wrongly sharded run would differ as much as another run does (2.7 here).
+    assert int8["param_diff"] < 2e-3, int8
+    assert int8["other_run_diff"] > 20 * int8["param_diff"], int8
 
 
 def test_config_chunk_resolution():

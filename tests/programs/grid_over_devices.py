@@ -108,9 +108,21 @@ for name, config in (
     except Exception as e:  # reported, not raised: the other checks still print
         int8_runs[name] = f"{type(e).__name__}: {str(e)[:300]}"
 if all(not isinstance(r, str) for r in int8_runs.values()):
+    sharded, alone_int8 = (int8_runs[k].params for k in ("sharded", "one device"))
+    n_runs = int(jax.tree.leaves(sharded)[0].shape[0])
+
+    def run_diff(i, j):  # run i of the sharded grid against run j on one device
+        return max_diff(
+            jax.tree.map(lambda x: x[i], sharded), jax.tree.map(lambda x: x[j], alone_int8)
+        )
+
     out["int8_skip"] = {
-        "param_devices": len(jax.tree.leaves(int8_runs["sharded"].params)[0].sharding.device_set),
-        "param_diff": max_diff(int8_runs["sharded"].params, int8_runs["one device"].params),
+        "param_devices": len(jax.tree.leaves(sharded)[0].sharding.device_set),
+        "param_diff": max_diff(sharded, alone_int8),
+        # The scale of a different run: each sharded run against the other runs on one device.
+        "other_run_diff": min(
+            run_diff(i, j) for i in range(n_runs) for j in range(n_runs) if i != j
+        ),
     }
 else:
     out["int8_skip"] = {k: v for k, v in int8_runs.items() if isinstance(v, str)}

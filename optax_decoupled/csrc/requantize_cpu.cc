@@ -664,12 +664,17 @@ ByteTable BuildByteTable(const Encoder& e) {
 const ByteTable* CachedByteTable(const Encoder& e) {
   static std::mutex mu;
   static std::vector<std::pair<std::vector<int32_t>, std::unique_ptr<ByteTable>>> cache;
-  std::vector<int32_t> key = {e.shift, e.first, e.n, e.lo < 0.0f};
-  key.insert(key.end(), e.entries, e.entries + 2 * e.n);
+  const int32_t header[4] = {e.shift, e.first, e.n, e.lo < 0.0f};
+  const size_t n_entries = 2 * static_cast<size_t>(e.n);
   std::lock_guard<std::mutex> lock(mu);
-  for (const auto& c : cache) {
-    if (c.first == key) return c.second.get();
+  for (const auto& c : cache) {  // compared in place: no copy on the kernel's every call
+    if (c.first.size() == 4 + n_entries && std::equal(header, header + 4, c.first.begin()) &&
+        std::equal(e.entries, e.entries + n_entries, c.first.begin() + 4)) {
+      return c.second.get();
+    }
   }
+  std::vector<int32_t> key(header, header + 4);
+  key.insert(key.end(), e.entries, e.entries + n_entries);
   cache.emplace_back(std::move(key), std::make_unique<ByteTable>(BuildByteTable(e)));
   return cache.back().second.get();
 }

@@ -77,6 +77,8 @@ namespace {
 // [(first + i) << shift, (first + i + 1) << shift); the last one everything above.
 constexpr int kHeader = 8;
 
+struct ByteTable;  // the VBMI encoder's table (x86-64 only, below)
+
 struct Encoder {
   const float* qmap;      // 256 map values, by code
   const int32_t* entries;  // 2 n packed entries
@@ -277,17 +279,21 @@ OD_AVX512_VBMI inline PlaneRegisters LoadPlanes(const MapPlanes& planes) {
   return r;
 }
 
+// Byte c of a 256-byte table held in four registers, for the 64 indices c of `index`
+// (`high`: their top bits, _mm512_movepi8_mask(index)): two byte permutes and a blend.
+OD_AVX512_VBMI inline __m512i Lookup256(const __m512i (&r)[4], __m512i index, __mmask64 high) {
+  const __m512i lo = _mm512_permutex2var_epi8(r[0], index, r[1]);
+  const __m512i hi = _mm512_permutex2var_epi8(r[2], index, r[3]);
+  return _mm512_mask_blend_epi8(high, lo, hi);
+}
+
 // qmap[c] for the 64 codes c in `codes`, as four vectors of 16 in element order.
 OD_AVX512_VBMI inline void Decode64(const PlaneRegisters& r, __m512i codes, __m512 (&out)[4]) {
   const __m512i order = _mm512_load_si512(kDecodeOrder.b);
   const __m512i c = _mm512_permutexvar_epi8(order, codes);
   const __mmask64 high = _mm512_movepi8_mask(c);
   __m512i p[4];
-  for (int j = 0; j < 4; ++j) {
-    const __m512i lo = _mm512_permutex2var_epi8(r.p[j][0], c, r.p[j][1]);
-    const __m512i hi = _mm512_permutex2var_epi8(r.p[j][2], c, r.p[j][3]);
-    p[j] = _mm512_mask_blend_epi8(high, lo, hi);
-  }
+  for (int j = 0; j < 4; ++j) p[j] = Lookup256(r.p[j], c, high);
   const __m512i w01l = _mm512_unpacklo_epi8(p[0], p[1]);
   const __m512i w01h = _mm512_unpackhi_epi8(p[0], p[1]);
   const __m512i w23l = _mm512_unpacklo_epi8(p[2], p[3]);
@@ -585,18 +591,8 @@ ByteTable BuildByteTable(const Encoder& e) {
       size_t b = a;
       while (b < p && points[b] < hi) ++b;
       const int count = static_cast<int>(b - a);
-      const int code = FineCode(e, lo, 0);
-      // The encoder's code must step up by one just above each point and nowhere else.
-      for (int k = 0; k < count; ++k) {
-        const uint32_t q = points[a + k];
-        if (FineCode(e, q, 0) != code + k || (q + 1 < hi && FineCode(e, q + 1, 0) != code + k + 1))
-          return t;
-      }
-      const uint32_t top = std::min(hi - 1, one);  // |y| <= 1
-      int below_top = 0;
-      for (int k = 0; k < count; ++k) below_top += points[a + k] < top;
-      if (FineCode(e, top, 0) != code + below_top) return t;
-      add_entry(code, count ? &points[a] : nullptr, count, shift);
+      // The code at the interval's start; checked below against the packed table everywhere.
+      add_entry(FineCode(e, lo, 0), count ? &points[a] : nullptr, count, shift);
     }
     if (ex == 127) break;
   }
@@ -684,20 +680,15 @@ struct ByteTableRegisters {
   __m512i octave_lo, octave_hi;
 };
 
-OD_AVX512_VBMI_ENC inline __m512i Lookup256(const __m512i (&r)[4], __m512i index) {
-  const __mmask64 high = _mm512_movepi8_mask(index);
-  const __m512i lo = _mm512_permutex2var_epi8(r[0], index, r[1]);
-  const __m512i hi = _mm512_permutex2var_epi8(r[2], index, r[3]);
-  return _mm512_mask_blend_epi8(high, lo, hi);
-}
-
 // Byte `o` of each int32 of four vectors of 16, as 64 bytes in element order: two byte
 // permutes of two vectors each and a blend (vpmovdb and inserts took twice as long).
 struct BytePicker {
   alignas(64) uint8_t sel[3][64];
   BytePicker() {
     for (int o = 0; o < 3; ++o)
-      for (int j = 0; j < 64; ++j) sel[o][j] = static_cast<uint8_t>((j % 32 < 16 ? 0 : 64) + 4 * (j % 16) + o);
+      for (int j = 0; j < 64; ++j) {
+        sel[o][j] = static_cast<uint8_t>((j % 32 < 16 ? 0 : 64) + 4 * (j % 16) + o);
+      }
   }
 };
 const BytePicker kBytePicker;
@@ -729,8 +720,11 @@ OD_AVX512_VBMI_ENC void EncodeBlockVbmiT(const ByteTable& t, const float* x, flo
     for (int h = 0; h < (small ? 2 : 4); ++h) r.p[j][h] = _mm512_load_si512(t.plane[j] + 64 * h);
   r.octave_lo = _mm512_load_si512(t.octave);
   r.octave_hi = _mm512_load_si512(t.octave + 16);
-  auto lookup = [&](int j, __m512i index) OD_AVX512_VBMI_ENC {
-    return small ? _mm512_permutex2var_epi8(r.p[j][0], index, r.p[j][1]) : Lookup256(r.p[j], index);
+  __mmask64 high = 0;  // the entry indices' top bits (none below 128 entries)
+  __m512i idx;
+  auto lookup = [&](int j) OD_AVX512_VBMI_ENC {
+    return small ? _mm512_permutex2var_epi8(r.p[j][0], idx, r.p[j][1])
+                 : Lookup256(r.p[j], idx, high);
   };
   const bool scaled = factor != 1.0f;  // x * 1 is x: skip the multiply
   const __m512 f = _mm512_set1_ps(factor), s = _mm512_set1_ps(scale);
@@ -765,12 +759,13 @@ OD_AVX512_VBMI_ENC void EncodeBlockVbmiT(const ByteTable& t, const float* x, flo
       // bits: the interval within the octave above bit 16, the key below; + first << 16.
       packed[q] = _mm512_add_epi32(bits, _mm512_sub_epi32(entry, count));
     }
-    const __m512i idx = PickBytes(packed, pick_index);
+    idx = PickBytes(packed, pick_index);
+    if (!small) high = _mm512_movepi8_mask(idx);
     const __m512i yl = PickBytes(packed, pick_lo), yh = PickBytes(packed, pick_hi);
-    __m512i code = lookup(0, idx);
+    __m512i code = lookup(0);
     __mmask64 equal = 0;
-    const __mmask64 above1 = KeyAbove(yh, yl, lookup(1, idx), lookup(2, idx), &equal);
-    const __mmask64 above2 = KeyAbove(yh, yl, lookup(3, idx), lookup(4, idx), &equal);
+    const __mmask64 above1 = KeyAbove(yh, yl, lookup(1), lookup(2), &equal);
+    const __mmask64 above2 = KeyAbove(yh, yl, lookup(3), lookup(4), &equal);
     code = _mm512_mask_add_epi8(code, above1, code, ones);
     code = _mm512_mask_add_epi8(code, above2, code, ones);
     if (t.mirrored) code = _mm512_mask_subs_epu8(code, _cvtu64_mask64(neg), far, code);
@@ -839,11 +834,11 @@ constexpr float kF32Max = 3.4028234663852886e38f;
 
 // Quantizes one block of float32 values x: absmax as jnp.max(jnp.abs(x)) saturated at
 // float32.max, the power-of-two rescaling of quantization._scales, nearest codes.
-// With `byte_table` (a ByteTable that BuildByteTable accepted) the VBMI encoder runs
-// instead of `encode`.
+// With `byte_table` (a ByteTable that BuildByteTable accepted; only on x86-64) the VBMI
+// encoder runs instead of `encode`.
 void QuantizeBlock(const float* x, const Encoder& e, int block, uint8_t* codes,
                    float* absmax_out, uint32_t absmax_bits, EncodeFn encode,
-                   const void* byte_table) {
+                   const ByteTable* byte_table) {
   float a = FloatOf(absmax_bits);
   a = (a != a) ? a : std::min(a, kF32Max);
   const float factor = a > 0x1p100f ? 0x1p-64f : (a < 0x1p-100f ? 0x1p64f : 1.0f);
@@ -851,7 +846,7 @@ void QuantizeBlock(const float* x, const Encoder& e, int block, uint8_t* codes,
   *absmax_out = a;
 #if defined(OD_X86_AVX512)
   if (byte_table != nullptr) {
-    EncodeBlockVbmi(*static_cast<const ByteTable*>(byte_table), x, factor, scale, e.lo,
+    EncodeBlockVbmi(*byte_table, x, factor, scale, e.lo,
                     e.entries, e.shift, e.first, e.n, block, codes);
     return;
   }
@@ -1084,7 +1079,7 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
   for (int64_t k = 0; k < n_moments && vbmi; ++k) planes.push_back(PlanesOf(enc[k].qmap));
 #endif
   // The VBMI encoder goes with the VBMI decode, for each map whose table it can hold.
-  std::vector<const void*> byte_tables(n_moments, nullptr);
+  std::vector<const ByteTable*> byte_tables(n_moments, nullptr);
 #if defined(OD_X86_AVX512)
   for (int64_t k = 0; k < n_moments && vbmi; ++k) {
     const ByteTable* t = CachedByteTable(enc[k]);

@@ -311,6 +311,7 @@ UPDATES = {
         ((64, 1024), 2048),  # the paper's block size
         ((100,), 256),  # one padded block
         ((37, 53), 100),  # a block size that is not a multiple of 16 (the AVX-512 tail)
+        ((15, 64), 256),  # the last block's 192 elements whole 64s: a tail of padding only
     ],
 )
 def test_update_equals_numpy(name, shape, block, kernel_path):
@@ -323,7 +324,7 @@ def test_update_equals_numpy(name, shape, block, kernel_path):
 
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(UPDATES))
-@pytest.mark.parametrize("shape, block", [((300, 1001), 256), ((37, 53), 100)])
+@pytest.mark.parametrize("shape, block", [((300, 1001), 256), ((37, 53), 100), ((15, 64), 256)])
 @pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
 def test_emit_old_copies_the_stored_moments(name, shape, block, donate, kernel_path):
     """With `emit_old` the kernel also returns a copy of the moments it read (what the

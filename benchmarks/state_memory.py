@@ -35,11 +35,15 @@ records them.
 ``sum(tanh(x @ w))`` for a batch ``x`` of 4 rows, computed in the step. There the gradient is
 a temporary of the program, and the 8-bit kernel writes the transform's output in its buffer
 (``optax_decoupled.cpu_kernel.requantize_ema``); with the gradient an argument it cannot.
+``--wrap apply_if_finite`` times every program with its transform wrapped in
+``optax.apply_if_finite(tx, 3)`` (the update inside ``jax.lax.cond``, where the 8-bit kernel
+writes a copy of the old codes instead of the output even in a training step).
 
     python benchmarks/state_memory.py                    # 1e6, 1e7, 5e7
     python benchmarks/state_memory.py --sizes 1e6 --repeats 5 --json out.json
     python benchmarks/state_memory.py --rotation pairs  # single steps in turns (before)
     python benchmarks/state_memory.py --step train --dtypes int8
+    python benchmarks/state_memory.py --step train --wrap apply_if_finite --dtypes int8
 
 Targets (issue 6): int8 state <= 0.27x float32 for large tensors; step time <= 1.5x float32.
 """
@@ -91,17 +95,25 @@ def _storage(name):
     return name
 
 
+#: What ``--wrap`` puts around the transform: nothing, or Optax's non-finite-gradient guard.
+WRAPS = ("none", "apply_if_finite")
+
 #: Rows of the batch of ``--step train``: small, so that the gradient costs little next to
 #: the update, yet is a matrix product's output, materialised in every program.
 TRAIN_BATCH = 4
 
 
-def make_step(state_dtype, kind: str = "update"):
+def make_step(state_dtype, kind: str = "update", wrap: str = "none"):
     """``(tx, step)``: ``step(params, state, data)`` jitted with the parameters and the state
     donated. ``kind="update"``: ``data`` is the gradient (an argument of the program).
     ``kind="train"``: ``data`` is a batch ``x`` of shape ``(TRAIN_BATCH, rows)`` and the
-    step computes the gradient of ``sum(tanh(x @ w))`` itself, as a training step does."""
+    step computes the gradient of ``sum(tanh(x @ w))`` itself, as a training step does.
+    ``wrap="apply_if_finite"``: the transform is ``optax.apply_if_finite(adamw, 3)``."""
+    if wrap not in WRAPS:
+        raise ValueError(f"wrap: one of {WRAPS}, got {wrap!r}")
     tx = od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype=_storage(state_dtype))
+    if wrap == "apply_if_finite":
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=3)
 
     def update(params, state, grads):
         updates, state = tx.update(grads, state, params)
@@ -121,6 +133,7 @@ def bench_size(
     dtypes: tuple[str, ...] = STATE_DTYPES,
     kind: str = "update",
     block: int = 5,
+    wrap: str = "none",
 ) -> dict:
     """Times the step of each of ``dtypes`` at ``shape`` (see the module docstring):
     ``repeats`` turns of ``block`` steps per program with ``rotation="blocks"``, the first
@@ -138,7 +151,7 @@ def bench_size(
         data = jax.random.normal(jax.random.fold_in(key, 2), (TRAIN_BATCH, shape[0]))
     runs = {}
     for sd in dtypes:
-        tx, step = make_step(sd, kind)
+        tx, step = make_step(sd, kind, wrap)
         params = jax.tree.map(jnp.copy, params0)
         state = tx.init(params)
         sb = memory.state_bytes(state, params)
@@ -167,6 +180,7 @@ def bench_size(
         anchor.update({sd: f32_times for sd in turn if sd != "float32"})
     n = int(np.prod(shape))
     out = {"shape": list(shape), "num_params": n, "rotation": rotation, "step": kind}
+    out["wrap"] = wrap
     out["block"], out["timed_steps"] = block, len(times["float32"])
     for sd in dtypes:
         sb = runs[sd]["bytes"]
@@ -238,6 +252,12 @@ def main(argv=None) -> list[dict]:
         help="time the update step with the gradient as an argument (default), or a training "
         "step that computes the gradient (of sum(tanh(x @ w)), a batch of 4) itself",
     )
+    parser.add_argument(
+        "--wrap",
+        choices=WRAPS,
+        default="none",
+        help="wrap every program's transform in optax.apply_if_finite(tx, 3) (default: none)",
+    )
     args = parser.parse_args(argv)
     if args.block < 2 and args.rotation == "blocks":
         parser.error("--block must be at least 2 (the first step of each block is not counted)")
@@ -262,6 +282,7 @@ def main(argv=None) -> list[dict]:
         "rotation": args.rotation,
         "block": args.block if args.rotation == "blocks" else 1,
         "step": args.step,
+        "wrap": args.wrap,
         "dtypes": ["float32", *dict.fromkeys(args.dtypes)],
         # The allocator's settings change how much the temporaries cost (docs/memory.md).
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(MALLOC_ENV)},
@@ -273,7 +294,7 @@ def main(argv=None) -> list[dict]:
     for shape in shapes:
         dtypes = ("float32", *dict.fromkeys(args.dtypes))
         results.append(
-            bench_size(shape, args.repeats, args.rotation, dtypes, args.step, args.block)
+            bench_size(shape, args.repeats, args.rotation, dtypes, args.step, args.block, args.wrap)
         )
         print(markdown(results[-1:]).splitlines()[-1], flush=True)
         if args.json:  # after every size: a run stopped by a time limit keeps what it measured
@@ -299,6 +320,8 @@ def main(argv=None) -> list[dict]:
         if args.step == "update"
         else f"a training step (gradient of sum(tanh(x @ w)) computed in it, batch {TRAIN_BATCH})"
     )
+    if args.wrap != "none":
+        what += f", the transform wrapped in optax.{args.wrap}(tx, 3)"
     print(f"timed: {what}")
     if env["malloc_env"]:
         print(f"allocator settings: {env['malloc_env']}")

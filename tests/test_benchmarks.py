@@ -46,6 +46,24 @@ def test_state_memory_times_each_program_in_blocks(state_memory, rotation, block
         assert r["step_ms_min"] <= r["step_ms_median"]
 
 
+@pytest.mark.parametrize("kind", ["update", "train"])
+def test_state_memory_wraps_the_transform_in_apply_if_finite(state_memory, kind):
+    """``--wrap apply_if_finite``: every program's transform is Optax's guard around AdamW
+    (its state says so), and the run is timed and recorded like any other."""
+    import jax.numpy as jnp
+    import optax
+
+    tx, _ = state_memory.make_step("int8", kind, "apply_if_finite")
+    assert isinstance(tx.init({"w": jnp.zeros((8, 1024))}), optax.ApplyIfFiniteState)
+    out = state_memory.bench_size(
+        (8, 1024), 1, "blocks", ("float32", "int8"), kind, 2, "apply_if_finite"
+    )
+    assert out["wrap"] == "apply_if_finite" and out["timed_steps"] == 1
+    assert out["int8"]["step_ms_median"] > 0
+    with pytest.raises(ValueError, match="wrap"):
+        state_memory.make_step("int8", kind, "apply_if_nan")
+
+
 def test_state_memory_refuses_blocks_of_one_step(state_memory, capsys):
     with pytest.raises(ValueError, match="block"):
         state_memory.bench_size((8, 1024), 1, "blocks", ("float32", "int8"), "update", 1)

@@ -384,7 +384,7 @@ OD_AVX512_VBMI uint32_t EmaBlockVbmi(const float* g, const uint8_t* codes, const
   const EmaValue value{g, _mm512_set1_ps(c_in), _mm512_set1_ps(c_keep), power};
   const uint32_t top = VbmiPass(codes, planes, absmax, full, out, old_codes, value);
   // A block of whole 64s has no tail: no call. (These empty calls, each with its setup, made
-  // the update step 15-25% slower at 1e7 on a Zen 4; docs/memory.md.)
+  // the 8-bit update step 10-20% slower at 1e7 on a Zen 4; docs/memory.md.)
   if (full < block) {
     EmaBlockAvx512(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
                    block - full, out + full);

@@ -179,8 +179,7 @@ def bench_size(
         times["float32"] += f32_times
         anchor.update({sd: f32_times for sd in turn if sd != "float32"})
     n = int(np.prod(shape))
-    out = {"shape": list(shape), "num_params": n, "rotation": rotation, "step": kind}
-    out["wrap"] = wrap
+    out = {"shape": list(shape), "num_params": n, "rotation": rotation, "step": kind, "wrap": wrap}
     out["block"], out["timed_steps"] = block, len(times["float32"])
     for sd in dtypes:
         sb = runs[sd]["bytes"]

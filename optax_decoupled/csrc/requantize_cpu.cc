@@ -343,7 +343,6 @@ OD_AVX512_VBMI inline uint32_t VbmiPass(const uint8_t* codes, const MapPlanes& p
 // goes through the 16-wide functions, and its codes through memcpy.
 inline uint32_t VbmiTail(const uint8_t* codes, int full, int block, const float* out,
                          uint8_t* old_codes, uint32_t top) {
-  if (full == block) return top;
   if (old_codes != nullptr) {
     std::memcpy(old_codes + full, codes + full, static_cast<size_t>(block - full));
   }
@@ -383,12 +382,11 @@ OD_AVX512_VBMI uint32_t EmaBlockVbmi(const float* g, const uint8_t* codes, const
   const int full = valid - valid % 64;
   const EmaValue value{g, _mm512_set1_ps(c_in), _mm512_set1_ps(c_keep), power};
   const uint32_t top = VbmiPass(codes, planes, absmax, full, out, old_codes, value);
-  // A block of whole 64s has no tail: no call. (These empty calls, each with its setup, made
+  // A block of whole 64s has no tail: no calls. (These empty calls, each with its setup, made
   // the 8-bit update step 10-20% slower at 1e7 on a Zen 4; docs/memory.md.)
-  if (full < block) {
-    EmaBlockAvx512(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
-                   block - full, out + full);
-  }
+  if (full == block) return top;
+  EmaBlockAvx512(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
+                 block - full, out + full);
   return VbmiTail(codes, full, block, out, old_codes, top);
 }
 
@@ -399,10 +397,9 @@ OD_AVX512_VBMI uint32_t MaxBlockVbmi(const float* seen, const uint8_t* codes, co
   const int full = valid - valid % 64;
   const MaxValue value{seen, _mm512_set1_ps(divisor), divide};
   const uint32_t top = VbmiPass(codes, planes, absmax, full, out, old_codes, value);
-  if (full < block) {
-    MaxBlockAvx512(seen + full, codes + full, qmap, absmax, divide, divisor, valid - full,
-                   block - full, out + full);
-  }
+  if (full == block) return top;  // no tail, no calls
+  MaxBlockAvx512(seen + full, codes + full, qmap, absmax, divide, divisor, valid - full,
+                 block - full, out + full);
   return VbmiTail(codes, full, block, out, old_codes, top);
 }
 

@@ -53,38 +53,34 @@ int main(int argc, char** argv) {
   for (int b = 0; b < n / block; ++b) scale[b] = FloatOf(AbsMaxBits(x.data() + b * block, block));
   const int32_t* entries = t.data() + kHeader;
   const float lo = t[3] ? -1.0f : 0.0f;
-  EncodeFn encoders[3] = {EncodeBlock, nullptr, nullptr};
-  const char* names[3] = {"portable", "avx512", "vbmi"};
-  int count = 1;
+  std::vector<std::pair<const char*, EncodeFn>> encoders = {{"portable", EncodeBlock}};
 #if defined(OD_X86_AVX512)
-  if (CpuHasAvx512()) {
-    encoders[1] = EncodeBlockAvx512;
-    count = 2;
-  }
+  if (CpuHasAvx2()) encoders.emplace_back("avx2", EncodeBlockAvx2);
+  if (CpuHasAvx512()) encoders.emplace_back("avx512", EncodeBlockAvx512);
   const Encoder enc{nullptr, entries, t[0], t[1], t[2], lo};
   g_byte_table = CachedByteTable(enc);
-  if (CpuHasAvx512Vbmi() && g_byte_table->ok) {
-    encoders[2] = EncodeVbmi;
-    count = 3;
-  }
+  if (CpuHasAvx512Vbmi() && g_byte_table->ok) encoders.emplace_back("vbmi", EncodeVbmi);
 #endif
-  std::vector<std::vector<uint8_t>> codes(3, std::vector<uint8_t>(n));
-  double best[3] = {1e30, 1e30, 1e30};
+  const size_t count = encoders.size();
+  std::vector<std::vector<uint8_t>> codes(count, std::vector<uint8_t>(n));
+  std::vector<double> best(count, 1e30);
   for (int r = 0; r < repeats; ++r) {
-    for (int e = 0; e < count; ++e) {  // in turns, so that a slower moment hits both alike
+    for (size_t e = 0; e < count; ++e) {  // in turns, so that a slower moment hits both alike
       const auto t0 = std::chrono::steady_clock::now();
       for (int b = 0; b < n / block; ++b) {
-        encoders[e](x.data() + b * block, 1.0f, scale[b], lo, entries, t[0], t[1], t[2], block,
-                    codes[e].data() + b * block);
+        encoders[e].second(x.data() + b * block, 1.0f, scale[b], lo, entries, t[0], t[1], t[2],
+                           block, codes[e].data() + b * block);
       }
       const auto t1 = std::chrono::steady_clock::now();
       best[e] = std::min(best[e], std::chrono::duration<double>(t1 - t0).count());
     }
   }
   std::printf("{\"map\": \"%s\", \"elements\": %d", argv[2], n);
-  for (int e = 0; e < count; ++e) std::printf(", \"%s_ns\": %.4f", names[e], best[e] * 1e9 / n);
+  for (size_t e = 0; e < count; ++e) {
+    std::printf(", \"%s_ns\": %.4f", encoders[e].first, best[e] * 1e9 / n);
+  }
   bool same = true;
-  for (int e = 1; e < count; ++e) same = same && codes[e] == codes[0];
+  for (size_t e = 1; e < count; ++e) same = same && codes[e] == codes[0];
   std::printf(", \"same_codes\": %s}\n", same ? "true" : "false");
   return 0;
 }

@@ -100,11 +100,12 @@ _lib: ctypes.CDLL | None = None
 
 #: Which decode and encoder 8-bit kernel calls traced from now on may use (for tests: all
 #: give the same values): ``"best"``, what the kernel picks at run time (AVX-512 VBMI byte
-#: permutes, else AVX-512F register permutes, else the portable loops; the AVX-512 encoder,
-#: an explicit gather, with either AVX-512 decode); ``"avx512f"``, no VBMI; or
+#: permutes, else AVX-512F register permutes, else AVX2 gathers, else the portable loops;
+#: the AVX-512 encoder, an explicit gather, with either AVX-512 decode, the AVX2 encoder
+#: with the AVX2 decode); ``"avx512f"``, no VBMI; ``"avx2"``, no AVX-512; or
 #: ``"portable"``, the compiler-vectorized loops only.
 DECODE = "best"
-_DECODE_LIMITS = {"best": 0, "avx512f": 1, "portable": 2}
+_DECODE_LIMITS = {"best": 0, "avx512f": 1, "avx2": 2, "portable": 3}
 
 
 def _library_path() -> pathlib.Path | None:
@@ -216,6 +217,32 @@ def uses_avx512_vbmi() -> bool:
     if not _register():
         return False
     return bool(_lib.OdUsesAvx512Vbmi())
+
+
+def uses_avx2() -> bool:
+    """Whether the kernel decodes the stored codes and encodes the new ones with AVX2
+    gathers on this CPU (an x86-64 CPU with AVX2 but not AVX-512, e.g. AMD Zen 2 and 3,
+    Intel Haswell to Alder Lake), which is faster than the compiler-vectorized loops (the
+    same values). ``False`` when the kernel is not available, and on CPUs with AVX-512,
+    whose own decodes run instead."""
+    if not _register():
+        return False
+    return bool(_lib.OdUsesAvx2())
+
+
+def decode_paths() -> tuple[str, ...]:
+    """The values of :data:`DECODE` that run different code on this CPU, best first: of
+    ``"best"`` (here the AVX-512 VBMI code), ``"avx512f"``, ``"avx2"`` and ``"portable"``,
+    those the CPU has, each once (a value whose instruction set the CPU lacks runs the
+    next one down, which is listed already). For tests, which run each of them."""
+    paths = []
+    if uses_avx512_vbmi():
+        paths.append("best")
+    if uses_avx512():
+        paths.append("avx512f")
+    if uses_avx512() or uses_avx2():  # every CPU with AVX-512 has AVX2
+        paths.append("avx2")
+    return (*paths, "portable")
 
 
 def unavailable_reason() -> str | None:

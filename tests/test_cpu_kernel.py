@@ -43,13 +43,14 @@ def _on_the_cpu():
         yield
 
 
-@pytest.fixture(params=["best", "avx512f", "portable"])
+@pytest.fixture(params=cpu_kernel.decode_paths())
 def kernel_path(request, monkeypatch):
-    """The kernel's decodes and encoders: what it picks on this CPU (the AVX-512 VBMI byte
-    permutes where the CPU has them, else the AVX-512F register permutes, see
-    `test_avx512_is_used_where_the_cpu_has_it`; the AVX-512 encoder with both), at most the
-    AVX-512F permutes, and the portable loops. Where the CPU lacks an instruction set, its
-    case runs the next one down."""
+    """Each of the kernel's decodes and encoders that this CPU runs
+    (`cpu_kernel.decode_paths`; see `test_avx512_is_used_where_the_cpu_has_it`): the AVX-512
+    VBMI byte permutes (``best``, on CPUs with VBMI), the AVX-512F register permutes, the
+    AVX2 loads (on every CPU with AVX2, those with AVX-512 included) and the portable loops,
+    each with its encoder. A path the CPU cannot run is not a case here: it would run the
+    next one down again."""
     monkeypatch.setattr(cpu_kernel, "DECODE", request.param)
     return request.param
 
@@ -75,6 +76,9 @@ def test_avx512_is_used_where_the_cpu_has_it():
     assert cpu_kernel.uses_avx512() == ("avx512f" in flags)
     vbmi = {"avx512f", "avx512bw", "avx512vbmi"} <= flags
     assert cpu_kernel.uses_avx512_vbmi() == vbmi
+    assert cpu_kernel.uses_avx2() == ("avx2" in flags and "avx512f" not in flags)
+    expected = [("best", vbmi), ("avx512f", "avx512f" in flags), ("avx2", "avx2" in flags)]
+    assert cpu_kernel.decode_paths() == (*(p for p, has in expected if has), "portable")
 
 
 def test_kernel_is_built():

@@ -339,9 +339,10 @@ OD_AVX512_VBMI inline uint32_t VbmiPass(const uint8_t* codes, const MapPlanes& p
   return _mm512_reduce_max_epu32(top);
 }
 
-// The rest of the block after a VBMI pass (`valid` not a multiple of 64, and the padding)
-// goes through the 16-wide functions, and its codes through memcpy.
-inline uint32_t VbmiTail(const uint8_t* codes, int full, int block, const float* out,
+// The rest of the block after a VBMI or AVX2 pass (`valid` not a multiple of 64 or 32, and
+// the padding), once the caller has computed its values: its codes through memcpy, its max
+// |value| bits through AbsMaxBits.
+inline uint32_t PassTail(const uint8_t* codes, int full, int block, const float* out,
                          uint8_t* old_codes, uint32_t top) {
   if (old_codes != nullptr) {
     std::memcpy(old_codes + full, codes + full, static_cast<size_t>(block - full));
@@ -387,7 +388,7 @@ OD_AVX512_VBMI uint32_t EmaBlockVbmi(const float* g, const uint8_t* codes, const
   if (full == block) return top;
   EmaBlockAvx512(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
                  block - full, out + full);
-  return VbmiTail(codes, full, block, out, old_codes, top);
+  return PassTail(codes, full, block, out, old_codes, top);
 }
 
 OD_AVX512_VBMI uint32_t MaxBlockVbmi(const float* seen, const uint8_t* codes, const float* qmap,
@@ -400,7 +401,7 @@ OD_AVX512_VBMI uint32_t MaxBlockVbmi(const float* seen, const uint8_t* codes, co
   if (full == block) return top;  // no tail, no calls
   MaxBlockAvx512(seen + full, codes + full, qmap, absmax, divide, divisor, valid - full,
                  block - full, out + full);
-  return VbmiTail(codes, full, block, out, old_codes, top);
+  return PassTail(codes, full, block, out, old_codes, top);
 }
 
 bool CpuHasAvx512Vbmi() {
@@ -804,6 +805,185 @@ void EncodeBlockVbmi(const ByteTable& t, const float* x, float factor, float sca
 }
 #endif
 
+#if defined(OD_X86_AVX512)
+// The decode and the encoder again for CPUs with AVX2 but not AVX-512 (e.g. AMD Zen 2 and 3,
+// Intel Haswell to Alder Lake). Both look up 8 elements at a time with scalar loads and
+// inserts, not AVX2 gathers, which were slower on a Zen 3 (docs/memory.md); the encoder's
+// indices leave the register as four 64-bit extracts. As in the VBMI pass, the decode also
+// copies the old codes (emit_old) and takes the block's max |value| while the values are in
+// registers, instead of in two more passes over the block. The arithmetic is the portable
+// loops', operation by operation, so the values are identical (tests/test_cpu_kernel.py runs
+// both).
+#define OD_AVX2 __attribute__((target("avx2")))
+
+bool CpuHasAvx2() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return has;
+}
+
+OD_AVX2 inline __m256i AbsBits8(__m256 x) {
+  return _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff));
+}
+
+// qmap[codes[j]] for the 8 codes at `codes`: eight loads and inserts (a vgatherdps took
+// longer on a Zen 3).
+OD_AVX2 inline __m256 Decode8(const float* qmap, const uint8_t* codes) {
+  const __m128 lo = _mm_setr_ps(qmap[codes[0]], qmap[codes[1]], qmap[codes[2]], qmap[codes[3]]);
+  const __m128 hi = _mm_setr_ps(qmap[codes[4]], qmap[codes[5]], qmap[codes[6]], qmap[codes[7]]);
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+}
+
+// Over the 32-code groups of [0, full): copy the codes to `old_codes` (when not null), store
+// value(old, i) for the 8 elements at i (old: the decoded moment times absmax) to `out`, and
+// return their max |value| bits (AbsMaxBits' unsigned integer max).
+template <typename Value>
+OD_AVX2 inline uint32_t Avx2Pass(const uint8_t* codes, const float* qmap, float absmax,
+                                 int full, float* out, uint8_t* old_codes, const Value& value) {
+  const __m256 a = _mm256_set1_ps(absmax);
+  __m256i top = _mm256_setzero_si256();
+  for (int i = 0; i < full; i += 32) {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i));
+    if (old_codes != nullptr) _mm256_storeu_si256(reinterpret_cast<__m256i*>(old_codes + i), c);
+    for (int q = 0; q < 4; ++q) {
+      const __m256 m = Decode8(qmap, codes + i + 8 * q);
+      const __m256 v = value(_mm256_mul_ps(m, a), i + 8 * q);
+      _mm256_storeu_ps(out + i + 8 * q, v);
+      top = _mm256_max_epu32(top, AbsBits8(v));
+    }
+  }
+  const __m128i t4 = _mm_max_epu32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+  const __m128i t2 = _mm_max_epu32(t4, _mm_shuffle_epi32(t4, 0x4e));
+  const __m128i t1 = _mm_max_epu32(t2, _mm_shuffle_epi32(t2, 0xb1));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(t1));
+}
+
+struct EmaValue8 {  // c_in * g^power + c_keep * old, as EmaBlock
+  const float* g;
+  __m256 cin, ckeep;
+  int power;
+  OD_AVX2 __m256 operator()(__m256 old, int i) const {
+    const __m256 gi = _mm256_loadu_ps(g + i);
+    const __m256 src = power == 2 ? _mm256_mul_ps(gi, gi) : gi;
+    const __m256 t1 = _mm256_mul_ps(cin, src);
+    const __m256 t2 = _mm256_mul_ps(ckeep, old);
+    return _mm256_add_ps(t1, t2);
+  }
+};
+
+struct MaxValue8 {  // max(old, seen [/ divisor]), NaN-propagating, as MaxBlock
+  const float* seen;
+  __m256 d;
+  int divide;
+  OD_AVX2 __m256 operator()(__m256 old, int i) const {
+    const __m256 si = _mm256_loadu_ps(seen + i);
+    const __m256 s = divide ? _mm256_div_ps(si, d) : si;
+    const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(old, s, _CMP_GT_OQ),
+                                     _mm256_cmp_ps(old, old, _CMP_UNORD_Q));
+    return _mm256_blendv_ps(s, old, keep);
+  }
+};
+
+// EmaBlock and MaxBlock as one pass each (above), with the old codes' copy and the block's
+// max |value| bits; the rest of the block (`valid` not a multiple of 32, and the padding)
+// through the portable function, AbsMaxBits and memcpy.
+OD_AVX2 uint32_t EmaBlockAvx2(const float* g, const uint8_t* codes, const float* qmap,
+                              float absmax, float c_in, float c_keep, int power, int valid,
+                              int block, float* out, uint8_t* old_codes) {
+  const int full = valid - valid % 32;
+  const EmaValue8 value{g, _mm256_set1_ps(c_in), _mm256_set1_ps(c_keep), power};
+  const uint32_t top = Avx2Pass(codes, qmap, absmax, full, out, old_codes, value);
+  if (full == block) return top;  // no tail, no calls
+  EmaBlock(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
+           block - full, out + full);
+  return PassTail(codes, full, block, out, old_codes, top);
+}
+
+OD_AVX2 uint32_t MaxBlockAvx2(const float* seen, const uint8_t* codes, const float* qmap,
+                              float absmax, int divide, float divisor, int valid, int block,
+                              float* out, uint8_t* old_codes) {
+  const int full = valid - valid % 32;
+  const MaxValue8 value{seen, _mm256_set1_ps(divisor), divide};
+  const uint32_t top = Avx2Pass(codes, qmap, absmax, full, out, old_codes, value);
+  if (full == block) return top;  // no tail, no calls
+  MaxBlock(seen + full, codes + full, qmap, absmax, divide, divisor, valid - full,
+           block - full, out + full);
+  return PassTail(codes, full, block, out, old_codes, top);
+}
+
+// entries[index[j]] for the 8 indices (each in [0, 2 n)): the indices as four 64-bit extracts,
+// then eight loads and inserts (a vpgatherdd took 70% of the encoder's time on a Zen 3, and
+// this is 12-15% faster than it). The entries are moved as floats (vinsertps: one
+// instruction each; a move changes no bits).
+OD_AVX2 inline __m256i Lookup8(const int32_t* entries, __m256i index) {
+  const __m128i i_lo = _mm256_castsi256_si128(index), i_hi = _mm256_extracti128_si256(index, 1);
+  const uint64_t p0 = static_cast<uint64_t>(_mm_cvtsi128_si64(i_lo));
+  const uint64_t p1 = static_cast<uint64_t>(_mm_extract_epi64(i_lo, 1));
+  const uint64_t p2 = static_cast<uint64_t>(_mm_cvtsi128_si64(i_hi));
+  const uint64_t p3 = static_cast<uint64_t>(_mm_extract_epi64(i_hi, 1));
+  const float* e = reinterpret_cast<const float*>(entries);
+  const __m128 lo = _mm_setr_ps(e[static_cast<uint32_t>(p0)], e[p0 >> 32],
+                                e[static_cast<uint32_t>(p1)], e[p1 >> 32]);
+  const __m128 hi = _mm_setr_ps(e[static_cast<uint32_t>(p2)], e[p2 >> 32],
+                                e[static_cast<uint32_t>(p3)], e[p3 >> 32]);
+  return _mm256_castps_si256(_mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1));
+}
+
+// EncodeBlockAvx512 for AVX2, operation by operation (the same codes; the tests run both). 32 elements per iteration, so that their codes are packed to bytes by two
+// rounds of saturating packs (exact: each code is masked to its low byte first, as
+// EncodeBlock's cast truncates) and one permute.
+OD_AVX2 void EncodeBlockAvx2(const float* x, float factor, float scale, float lo,
+                             const int32_t* entries, int32_t shift, int32_t first, int32_t n,
+                             int block, uint8_t* codes) {
+  const __m256 f = _mm256_set1_ps(factor), s = _mm256_set1_ps(scale);
+  const __m256 vlo = _mm256_set1_ps(lo), one = _mm256_set1_ps(1.0f);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i low_mask = _mm256_set1_epi32(static_cast<int32_t>((1u << shift) - 1u));
+  const __m256i vfirst = _mm256_set1_epi32(first), vlast = _mm256_set1_epi32(n - 1);
+  const __m256i vn = _mm256_set1_epi32(n), zero = _mm256_setzero_si256();
+  const __m256i step = _mm256_set1_epi32(1), byte = _mm256_set1_epi32(0xff);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m128i sh = _mm_cvtsi32_si128(shift);
+  const bool scaled = factor != 1.0f;  // x * 1 is x: skip the multiply, as EncodeBlockVbmiT
+  const int full = block - block % 32;
+  for (int i = 0; i < full; i += 32) {
+    __m256i code[4];
+    for (int q = 0; q < 4; ++q) {
+      const __m256 xq = _mm256_loadu_ps(x + i + 8 * q);
+      const __m256 v = _mm256_div_ps(scaled ? _mm256_mul_ps(xq, f) : xq, s);
+      // As in EncodeBlockAvx512: max_ps and min_ps pass a NaN v through; v = -0.0 stays -0.0
+      // for the unsigned map, with code 0 as EncodeBlock gives +0.0.
+      const __m256 y = _mm256_min_ps(one, _mm256_max_ps(vlo, v));
+      const __m256i u = _mm256_castps_si256(y);
+      const __m256i neg = _mm256_srai_epi32(u, 31);  // -1 where the sign bit is set, else 0
+      const __m256i mag = _mm256_and_si256(u, abs_mask);
+      __m256i index = _mm256_sub_epi32(_mm256_srl_epi32(mag, sh), vfirst);
+      index = _mm256_min_epi32(_mm256_max_epi32(index, zero), vlast);
+      index = _mm256_add_epi32(index, _mm256_and_si256(neg, vn));
+      const __m256i entry = Lookup8(entries, index);
+      const __m256i above =
+          _mm256_cmpgt_epi32(_mm256_and_si256(mag, low_mask), _mm256_srai_epi32(entry, 8));
+      // Above the decision point the code moves one step away from zero (neg | 1: -1 or 1).
+      const __m256i away = _mm256_and_si256(above, _mm256_or_si256(neg, step));
+      code[q] = _mm256_and_si256(_mm256_add_epi32(entry, away), byte);
+    }
+    const __m256i words01 = _mm256_packus_epi32(code[0], code[1]);
+    const __m256i words23 = _mm256_packus_epi32(code[2], code[3]);
+    const __m256i bytes = _mm256_packus_epi16(words01, words23);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i),
+                        _mm256_permutevar8x32_epi32(bytes, order));
+  }
+  if (full < block) {
+    EncodeBlock(x + full, factor, scale, lo, entries, shift, first, n, block - full,
+                codes + full);
+  }
+}
+#else
+bool CpuHasAvx2() { return false; }
+#endif
+
 // The transform's output, computed from the block's new float32 moments as the transform
 // computes it in XLA (out_mode, below): Adam's
 //   u = n / (sqrt(d + eps_root) + eps),  n = mu [* 1/bc1],  d = den [* 1/bc2]
@@ -1073,20 +1253,24 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
   const int64_t n_tasks = (n_blocks + blocks_per_task - 1) / blocks_per_task;
   const int b = static_cast<int>(block);
   // The decode: the best the CPU has (AVX-512 VBMI byte permutes, AVX-512F register
-  // permutes, the portable compiler-vectorized loops), at most `decode_limit` (0: any, 1:
-  // no VBMI, 2: portable only; tests run all three). The AVX-512 encoder goes with either
-  // AVX-512 decode.
+  // permutes, the AVX2 loads, the portable compiler-vectorized loops), at most `decode_limit`
+  // (0: any, 1: no VBMI, 2: no AVX-512, 3: portable only; tests run all four). The AVX-512
+  // encoder goes with either AVX-512 decode, the AVX2 one with the AVX2 decode. The VBMI and
+  // AVX2 decodes also copy the old codes and take each block's max |value| (`fused`).
   auto ema = EmaBlock;
   auto running_max = MaxBlock;
   EncodeFn encode = EncodeBlock;
-  bool vbmi = false;
+  bool vbmi = false, avx2 = false;
 #if defined(OD_X86_AVX512)
-  if (decode_limit < 2 && CpuHasAvx512()) {
+  const bool avx512 = decode_limit < 2 && CpuHasAvx512();
+  if (avx512) {
     ema = EmaBlockAvx512;
     running_max = MaxBlockAvx512;
     encode = EncodeBlockAvx512;
   }
   vbmi = decode_limit < 1 && CpuHasAvx512Vbmi();
+  avx2 = !avx512 && decode_limit < 3 && CpuHasAvx2();
+  if (avx2) encode = EncodeBlockAvx2;
   std::vector<MapPlanes> planes;
   for (int64_t k = 0; k < n_moments && vbmi; ++k) planes.push_back(PlanesOf(enc[k].qmap));
 #endif
@@ -1098,6 +1282,7 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
     if (t->ok) byte_tables[k] = t;
   }
 #endif
+  const bool fused = vbmi || avx2;
 
   auto work = [&](int64_t task) {
     ScopedFlushDenormals flush;
@@ -1121,6 +1306,11 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
                                 out, old_codes(k));
           continue;
         }
+        if (avx2) {
+          top[k] = EmaBlockAvx2(gd + off, codes_in[k] + off, enc[k].qmap, absmax_in[k][blk],
+                                c[2 * k], c[2 * k + 1], powers[k], valid, b, out, old_codes(k));
+          continue;
+        }
 #endif
         ema(gd + off, codes_in[k] + off, enc[k].qmap, absmax_in[k][blk], c[2 * k],
             c[2 * k + 1], powers[k], valid, b, out);
@@ -1133,6 +1323,9 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
           top[2] = MaxBlockVbmi(values.data() + block, codes_in[2] + off, enc[2].qmap,
                                 planes[2], absmax_in[2][blk], divide, c[4], valid, b, out,
                                 old_codes(2));
+        } else if (avx2) {
+          top[2] = MaxBlockAvx2(values.data() + block, codes_in[2] + off, enc[2].qmap,
+                                absmax_in[2][blk], divide, c[4], valid, b, out, old_codes(2));
         } else
 #endif
         {
@@ -1151,7 +1344,7 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
                      valid, out_d + off);
       }
       for (int64_t k = 0; k < n_moments; ++k) {
-        if (!vbmi) {
+        if (!fused) {
           top[k] = AbsMaxBits(values.data() + k * block, b);
           if (emit_old) {
             std::memcpy(old_codes(k), codes_in[k] + off, static_cast<size_t>(block));
@@ -1403,6 +1596,12 @@ extern "C" __attribute__((visibility("default"))) int OdUsesAvx512() {
 
 extern "C" __attribute__((visibility("default"))) int OdUsesAvx512Vbmi() {
   return CpuHasAvx512Vbmi() ? 1 : 0;
+}
+
+// Whether the kernel's best decode and encoder on this CPU are the AVX2 ones (AVX2 without
+// AVX-512).
+extern "C" __attribute__((visibility("default"))) int OdUsesAvx2() {
+  return CpuHasAvx2() && !CpuHasAvx512() ? 1 : 0;
 }
 
 // Whether the VBMI encoder can hold the packed encoder table `table` (cpu_kernel.encoder_table,

@@ -10,11 +10,13 @@ XLA's intra-op threads. XLA's own program for this runs as a loop on one core
 (``docs/memory.md``, Speed). On x86-64 CPUs with AVX-512 the kernel decodes the codes with
 register permutes, chosen at run time: byte permutes where the CPU has AVX-512 VBMI (the map
 as four planes of bytes, :func:`uses_avx512_vbmi`), else 32-bit permutes (the 256-entry map
-held in 16 registers, :func:`uses_avx512`); elsewhere, loops the compiler vectorized, with
-the same values. The encoder's table lookup is an AVX-512 gather, or with AVX-512 VBMI byte
-permutes of a table of at most 256 entries derived from the same one (``EncodeBlockVbmi``,
-the same codes; 15-30% faster 8-bit update steps on a Zen 4 EPYC, whose gather is slow,
-``docs/memory.md``).
+held in 16 registers, :func:`uses_avx512`); on those with AVX2 but not AVX-512, with 256-bit
+vectors filled by scalar loads (:func:`uses_avx2`; not on AMD Zen 1); elsewhere, loops the
+compiler vectorized, with the same values. The encoder's table lookup is an AVX-512 gather,
+or with AVX-512 VBMI byte permutes of a table of at most 256 entries derived from the same
+one (``EncodeBlockVbmi``, the same codes; 15-30% faster 8-bit update steps on a Zen 4 EPYC,
+whose gather is slow, ``docs/memory.md``), or with AVX2 scalar loads (``EncodeBlockAvx2``;
+about 12% faster update steps than the compiler's loops on a Zen 3 EPYC).
 
 The kernel computes what :func:`~optax_decoupled.quantization.dequantize`, the update and
 :func:`~optax_decoupled.quantization.quantize` compute, in float32, in the order ``jnp``
@@ -221,10 +223,11 @@ def uses_avx512_vbmi() -> bool:
 
 def uses_avx2() -> bool:
     """Whether the kernel decodes the stored codes and encodes the new ones with AVX2
-    gathers on this CPU (an x86-64 CPU with AVX2 but not AVX-512, e.g. AMD Zen 2 and 3,
+    loads on this CPU (an x86-64 CPU with AVX2 but not AVX-512, e.g. AMD Zen 2 and 3,
     Intel Haswell to Alder Lake), which is faster than the compiler-vectorized loops (the
-    same values). ``False`` when the kernel is not available, and on CPUs with AVX-512,
-    whose own decodes run instead."""
+    same values). ``False`` when the kernel is not available; on CPUs with AVX-512, whose
+    own decodes run instead; and on AMD Zen 1, which splits 256-bit operations in two and
+    where the compiler's 128-bit loops measured faster (``docs/memory.md``)."""
     if not _register():
         return False
     return bool(_lib.OdUsesAvx2())

@@ -807,7 +807,7 @@ void EncodeBlockVbmi(const ByteTable& t, const float* x, float factor, float sca
 
 #if defined(OD_X86_AVX512)
 // The decode and the encoder again for CPUs with AVX2 but not AVX-512 (e.g. AMD Zen 2 and 3,
-// Intel Haswell to Alder Lake). Both look up 8 elements at a time with scalar loads and
+// Intel Haswell to Alder Lake; not Zen 1, below). Both look up 8 elements at a time with scalar loads and
 // inserts, not AVX2 gathers, which were slower on a Zen 3 (docs/memory.md); the encoder's
 // indices leave the register as four 64-bit extracts. As in the VBMI pass, the decode also
 // copies the old codes (emit_old) and takes the block's max |value| while the values are in
@@ -816,10 +816,13 @@ void EncodeBlockVbmi(const ByteTable& t, const float* x, float factor, float sca
 // both).
 #define OD_AVX2 __attribute__((target("avx2")))
 
+// Not on Zen 1 (AMD family 17h, models below 30h), which runs each 256-bit operation as two
+// halves: there AVX2 encoders like this one took 2.04-2.19 ns per element against the
+// compiler's 128-bit loop's 1.71 (docs/memory.md, fourth session), so it keeps that loop.
 bool CpuHasAvx2() {
   static const bool has = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
+    return __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_is("znver1") == 0;
   }();
   return has;
 }

@@ -807,13 +807,13 @@ void EncodeBlockVbmi(const ByteTable& t, const float* x, float factor, float sca
 
 #if defined(OD_X86_AVX512)
 // The decode and the encoder again for CPUs with AVX2 but not AVX-512 (e.g. AMD Zen 2 and 3,
-// Intel Haswell to Alder Lake; not Zen 1, below). Both look up 8 elements at a time with scalar loads and
-// inserts, not AVX2 gathers, which were slower on a Zen 3 (docs/memory.md); the encoder's
-// indices leave the register as four 64-bit extracts. As in the VBMI pass, the decode also
-// copies the old codes (emit_old) and takes the block's max |value| while the values are in
-// registers, instead of in two more passes over the block. The arithmetic is the portable
-// loops', operation by operation, so the values are identical (tests/test_cpu_kernel.py runs
-// both).
+// Intel Haswell to Alder Lake; not Zen 1, below). Both look up 8 elements at a time with
+// scalar loads and inserts, not AVX2 gathers, which were slower on a Zen 3 (docs/memory.md);
+// the encoder's indices leave the register as four 64-bit extracts. As in the VBMI pass, the
+// decode also copies the old codes (emit_old) and takes the block's max |value| while the
+// values are in registers, instead of in two more passes over the block. The arithmetic is
+// the portable loops', operation by operation, so the values are identical
+// (tests/test_cpu_kernel.py runs both).
 #define OD_AVX2 __attribute__((target("avx2")))
 
 // Not on Zen 1 (AMD family 17h, models below 30h), which runs each 256-bit operation as two
@@ -934,9 +934,10 @@ OD_AVX2 inline __m256i Lookup8(const int32_t* entries, __m256i index) {
   return _mm256_castps_si256(_mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1));
 }
 
-// EncodeBlockAvx512 for AVX2, operation by operation (the same codes; the tests run both). 32 elements per iteration, so that their codes are packed to bytes by two
-// rounds of saturating packs (exact: each code is masked to its low byte first, as
-// EncodeBlock's cast truncates) and one permute.
+// EncodeBlockAvx512 for AVX2, operation by operation (the same codes; the tests run both).
+// 32 elements per iteration, so that their codes are packed to bytes by two rounds of
+// saturating packs (exact: each code is masked to its low byte first, as EncodeBlock's cast
+// truncates) and one permute.
 OD_AVX2 void EncodeBlockAvx2(const float* x, float factor, float scale, float lo,
                              const int32_t* entries, int32_t shift, int32_t first, int32_t n,
                              int block, uint8_t* codes) {

@@ -25,7 +25,7 @@ lint: $(STAMP)
 # Tests run in TEST_WORKERS pytest-xdist processes: one per core, at most 4 (each is a JAX
 # process of its own, a GiB or two; 0 runs them in this process). Compiling is single-threaded,
 # so two workers take the suite from 11.5 to 8.5 minutes on 2 cores (AMD EPYC, Zen 5; 11-19
-# minutes on 2 cores of an Intel Xeon, 16-18 on a Zen 4 EPYC, 20-24 on a Zen 1 EPYC).
+# minutes on 2 cores of an Intel Xeon, 16-18 on a Zen 4 EPYC, 18 on a Zen 3, 20-24 on a Zen 1).
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = min(4, len(os.sched_getaffinity(0))); print(n if n > 1 else 0)" 2>/dev/null || echo 0)
 
 test: lint

@@ -8,15 +8,17 @@ elements it decodes the stored codes, applies the moving averages, takes the new
 encodes the new values, reading and writing each block once, with the blocks spread over
 XLA's intra-op threads. XLA's own program for this runs as a loop on one core
 (``docs/memory.md``, Speed). On x86-64 CPUs with AVX-512 the kernel decodes the codes with
-register permutes, chosen at run time: byte permutes where the CPU has AVX-512 VBMI (the map
-as four planes of bytes, :func:`uses_avx512_vbmi`), else 32-bit permutes (the 256-entry map
-held in 16 registers, :func:`uses_avx512`); on those with AVX2 but not AVX-512, with 256-bit
-vectors filled by scalar loads (:func:`uses_avx2`; not on AMD Zen 1); elsewhere, loops the
-compiler vectorized, with the same values. The encoder's table lookup is an AVX-512 gather,
-or with AVX-512 VBMI byte permutes of a table of at most 256 entries derived from the same
-one (``EncodeBlockVbmi``, the same codes; 15-30% faster 8-bit update steps on a Zen 4 EPYC,
-whose gather is slow, ``docs/memory.md``), or with AVX2 scalar loads (``EncodeBlockAvx2``;
-about 12% faster update steps than the compiler's loops on a Zen 3 EPYC).
+register permutes, chosen at run time: byte permutes where the CPU has AVX-512 VBMI and
+VBMI2 (the map as four planes of bytes, :func:`uses_avx512_vbmi`), else 32-bit permutes (the
+256-entry map held in 16 registers, :func:`uses_avx512`); on those with AVX2 but not
+AVX-512, with 256-bit vectors filled by scalar loads (:func:`uses_avx2`; not on AMD Zen 1);
+elsewhere, loops the compiler vectorized, with the same values. The encoder's table lookup
+is an AVX-512 gather, or with AVX-512 VBMI byte permutes of a table of at most 256 entries
+derived from the same one (``EncodeBlockVbmi``, the same codes; 15-30% faster 8-bit update
+steps on a Zen 4 EPYC, whose gather is slow, ``docs/memory.md``; its arithmetic on 16-bit
+halves of the values since 2026-12-06, the encoder alone 1.3-1.4x faster again there), or
+with AVX2 scalar loads (``EncodeBlockAvx2``; about 12% faster update steps than the
+compiler's loops on a Zen 3 EPYC).
 
 The kernel computes what :func:`~optax_decoupled.quantization.dequantize`, the update and
 :func:`~optax_decoupled.quantization.quantize` compute, in float32, in the order ``jnp``
@@ -212,10 +214,10 @@ def uses_avx512() -> bool:
 
 def uses_avx512_vbmi() -> bool:
     """Whether the kernel decodes the stored codes with AVX-512 VBMI byte permutes on this
-    CPU (AVX-512F, BW and VBMI: Intel Ice Lake and later, AMD Zen 4 and later), which is
-    faster than the register permutes of :func:`uses_avx512` (the same values), and
-    encodes them with byte permutes of a table of at most 256 entries instead of an
-    AVX-512 gather (the same codes)."""
+    CPU (AVX-512F, BW, VBMI and VBMI2: Intel Ice Lake and later, AMD Zen 4 and later), which
+    is faster than the register permutes of :func:`uses_avx512` (the same values), and
+    encodes them with byte permutes of a table of at most 256 entries, on 16-bit halves of
+    the values, instead of an AVX-512 gather (the same codes)."""
     if not _register():
         return False
     return bool(_lib.OdUsesAvx512Vbmi())

@@ -94,7 +94,7 @@ def test_avx512_is_used_where_the_cpu_has_it():
     if not flags:
         pytest.skip("no CPU flags in /proc/cpuinfo: nothing to compare the choice with")
     assert cpu_kernel.uses_avx512() == ("avx512f" in flags)
-    vbmi = {"avx512f", "avx512bw", "avx512vbmi"} <= flags
+    vbmi = {"avx512f", "avx512bw", "avx512vbmi", "avx512_vbmi2"} <= flags
     assert cpu_kernel.uses_avx512_vbmi() == vbmi
     avx2 = "avx2" in flags and not _cpu_is_zen1()
     assert cpu_kernel.uses_avx2() == (avx2 and "avx512f" not in flags)
@@ -273,6 +273,22 @@ def _near_every_decision_point(signed, ulps=4096):
     return np.concatenate([values, -values, [-0.0]]).astype(np.float32)
 
 
+def _kernel_and_xla_encode(x, signed):
+    """``(kernel, XLA)``: the blocks ``x`` (n_blocks, B) quantized by the kernel, as the new
+    moment of an average with beta = 0 (the "gradient" itself), and by `quantize_blocks`."""
+    n_blocks, block = x.shape
+    zeros = Q.QuantizedArray(
+        jnp.full((n_blocks, block), Q._tables(signed).code_pair[0, 0] & 0xFF, jnp.uint8),
+        jnp.zeros((n_blocks,), jnp.float32),
+        signed,
+    )
+    (got,) = jax.jit(lambda q, g: cpu_kernel.requantize_ema(EmaMoments((0.0,), (1,)), (q,), g))(
+        zeros, jnp.asarray(x.reshape(-1))
+    )
+    want = jax.jit(lambda v: Q.quantize_blocks(v, signed=signed))(jnp.asarray(x))
+    return got, want
+
+
 @needs_kernel
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_encoder_equals_the_table_lookup_near_every_decision_point(signed, kernel_path):
@@ -287,20 +303,59 @@ def test_encoder_equals_the_table_lookup_near_every_decision_point(signed, kerne
     padded = np.zeros(n_blocks * per_block, np.float32)
     padded[: values.size] = values
     x = np.concatenate([np.ones((n_blocks, 1), np.float32), padded.reshape(n_blocks, -1)], 1)
-    zeros = Q.QuantizedArray(
-        jnp.full((n_blocks, block), Q._tables(signed).code_pair[0, 0] & 0xFF, jnp.uint8),
-        jnp.zeros((n_blocks,), jnp.float32),
-        signed,
-    )
-    # beta = 0: the new moment is the "gradient" itself.
-    (got,) = jax.jit(lambda q, g: cpu_kernel.requantize_ema(EmaMoments((0.0,), (1,)), (q,), g))(
-        zeros, jnp.asarray(x.reshape(-1))
-    )
-    want = jax.jit(lambda v: Q.quantize_blocks(v, signed=signed))(jnp.asarray(x))
+    got, want = _kernel_and_xla_encode(x, signed)
     nan_blocks = np.isnan(x).any(axis=1)
     np.testing.assert_array_equal(np.asarray(got.absmax)[~nan_blocks], 1.0)
     np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes))
     np.testing.assert_array_equal(np.asarray(got.codes), _np_encode(x, signed))
+
+
+def _encoder_edge_blocks(signed, block=256):
+    """Blocks that take the encoders' less common paths: absmax above 2**100 and below
+    2**-100 (the division by a rescaled absmax); a NaN with values just above 1 (scale 1:
+    (1, 1 + 2**-7) shares 1's top 16 bits, above it the clip), +-inf; values below the map's
+    first octave with entries at every exponent down to 0, with random mantissas, and again
+    with mantissas of all ones (the VBMI encoder's key then equals the 0xffff of the entry
+    it reads them in: the AVX-512 encoder decides); for the
+    unsigned map, negative values (clipped to 0)."""
+    rng = np.random.default_rng(7)
+    f32 = np.float32
+    normal = rng.standard_normal((2, block)).astype(f32)
+    base = normal if signed else np.abs(normal)
+    near_one = f32(1) + np.arange(block, dtype=f32) * f32(2.0**-12)  # 1 to 1.0623
+    nan_block = near_one.copy()
+    nan_block[3] = np.nan
+    inf_block = base[0].copy()
+    inf_block[[5, 77]] = [np.inf, -np.inf if signed else np.inf]
+    exponents = (np.arange(block) % 110).astype(np.uint32)  # |y| from 2**-127 (and 0) to 2**-18
+    tiny_ones = (exponents << 23 | np.uint32(0x7FFFFF)).view(f32)
+    tiny = (exponents << 23 | rng.integers(0, 2**23, block, dtype=np.uint32)).view(f32)
+    tiny_ones[0] = tiny[0] = 1.0  # absmax 1: the values are |y| themselves
+    blocks = [
+        base[0] * f32(2.0**110),
+        base[1] * f32(2.0**-110),
+        nan_block,
+        inf_block,
+        tiny,
+        tiny_ones,
+    ]
+    if signed:
+        blocks += [-nan_block, -tiny, np.where(np.arange(block) % 3 == 0, -1, 1) * tiny]
+    else:
+        blocks += [normal[0], np.where(np.arange(block) % 2 == 0, f32(-0.0), base[1])]
+    return np.stack(blocks).astype(f32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_encoder_on_rescaled_clipped_and_tiny_blocks(signed, kernel_path):
+    """The codes of `_encoder_edge_blocks` equal XLA's `quantize_blocks` (and the NumPy
+    reference's) on every decode and encoder path, the absmax too where it is not NaN."""
+    x = _encoder_edge_blocks(signed)
+    got, want = _kernel_and_xla_encode(x, signed)
+    np.testing.assert_array_equal(np.asarray(got.absmax), np.asarray(want.absmax))
+    np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes))
+    np.testing.assert_array_equal(np.asarray(got.codes), _np_quantize_blocks(x, signed)[0])
 
 
 # --- The whole update ---------------------------------------------------------------------

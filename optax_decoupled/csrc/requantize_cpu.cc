@@ -6,7 +6,7 @@
 // Optimizers via Block-wise Quantization", ICLR 2022). Each block is read once and written
 // once; blocks are spread over XLA's intra-op thread pool. The decode has hand-written
 // AVX-512 versions (VBMI byte permutes, AVX-512F register permutes) and the encoder two
-// (VBMI byte permutes of a smaller table, EncodeBlockVbmi; an explicit gather,
+// (VBMI and VBMI2 byte permutes of a smaller table, EncodeBlockVbmi; an explicit gather,
 // EncodeBlockAvx512), picked at run time on CPUs that have them; everything else is
 // portable C++ that the compiler vectorizes (target clones for AVX-512, AVX2 and baseline
 // x86-64). With out_mode it also computes the transform's output (Adam's, AMSGrad's or
@@ -404,11 +404,13 @@ OD_AVX512_VBMI uint32_t MaxBlockVbmi(const float* seen, const uint8_t* codes, co
   return PassTail(codes, full, block, out, old_codes, top);
 }
 
+// VBMI2 too, for the encoder's funnel shifts: every CPU with VBMI has it but Cannon Lake.
 bool CpuHasAvx512Vbmi() {
   static const bool has = [] {
     __builtin_cpu_init();
     return CpuHasAvx512() && __builtin_cpu_supports("avx512bw") != 0 &&
-           __builtin_cpu_supports("avx512vbmi") != 0;
+           __builtin_cpu_supports("avx512vbmi") != 0 &&
+           __builtin_cpu_supports("avx512vbmi2") != 0;
   }();
   return has;
 }
@@ -495,27 +497,33 @@ OD_AVX512 void EncodeBlockAvx512(const float* x, float factor, float scale, floa
   }
 }
 
-// The encoder again without a gather (AVX-512 VBMI): on CPUs whose gather is slow (Zen 4's
-// 16-element gather took 0.38 of the AVX-512 encoder's 0.62 ns per element, one core, in
-// cache) the table lookup is done by byte permutes, as the VBMI decode does it. The packed
-// table above has thousands of entries; this one has at most 256 (ByteTable): the exponent of
-// |y| picks its octave from a 32-entry register table (where the octave's entries start and
-// how many mantissa bits index them: as few as leave at most two decision points in each
-// entry's interval), and each entry holds five bytes, each in a plane of registers: the code
-// at the interval's start and the 16 bits of each of its (at most two) decision points that
-// follow the index bits. |y|'s own 16 bits there, compared with them as two bytes, give the
-// code; where they equal a point's (|y| in the same 2^-16 of the interval as the point: 3 of
-// 65,536 gradient-like values per map in benchmarks/encoder_speed) or |y| is NaN, the 16
-// elements go through EncodeBlockAvx512 instead. The signed map's negative side is its
-// positive side mirrored (code 254 - c, 0 at the far end), which BuildByteTable checks, so
-// one table serves both. The codes are EncodeBlockAvx512's (tests/test_cpu_kernel.py, every
-// float32 near every decision point); BuildByteTable refuses a table it cannot represent, and
-// the caller then keeps EncodeBlockAvx512.
-#define OD_AVX512_VBMI_ENC __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vl")))
+// The encoder again without a gather (AVX-512 VBMI and VBMI2): on CPUs whose gather is slow
+// (Zen 4's 16-element gather took 0.38 of the AVX-512 encoder's 0.62 ns per element, one
+// core, in cache) the table lookup is done by byte permutes, as the VBMI decode does it. The
+// packed table above has thousands of entries; this one has at most 256 (ByteTable): the
+// exponent of |y| picks its octave (where the octave's entries start and how many mantissa
+// bits index them: as few as leave at most two decision points in each entry's interval, at
+// most 7), and each entry holds five bytes, each in a plane of registers: the code at the
+// interval's start and the 16 bits of each of its (at most two) decision points that follow
+// the index bits. |y|'s own 16 bits there, compared with them as two bytes, give the code;
+// where they equal a point's (|y| in the same 2^-16 of the interval as the point: 3 of
+// 65,536 gradient-like values per map in benchmarks/encoder_speed), the 16 elements go
+// through EncodeBlockAvx512 instead. The signed map's negative side is its positive side
+// mirrored (code 254 - c, 0 at the far end), which BuildByteTable checks, so one table serves
+// both. The codes are EncodeBlockAvx512's (tests/test_cpu_kernel.py, every float32 near every
+// decision point); BuildByteTable refuses a table it cannot represent, and the caller then
+// keeps EncodeBlockAvx512.
+#define OD_AVX512_VBMI_ENC \
+  __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vbmi2,avx512vl")))
 
 struct ByteTable {
   alignas(64) uint8_t plane[5][256];  // code, point 1 high/low byte, point 2 high/low byte
   alignas(64) int32_t octave[32];     // by exponent mod 32: first entry << 16 | (shift - 16)
+  // The octave table again as two 16-bit tables, for EncodeBlockVbmi: the first entry, and
+  // shift - 16.
+  alignas(64) uint16_t word_first[32];
+  alignas(64) uint16_t word_shift[32];
+  uint16_t below;  // e0 - 1, the octave EncodeBlockVbmi gives every |y| below `lowest`
   uint32_t lowest;                    // smaller |y| have its code: it is raised to this
   int entries;
   bool ok;
@@ -662,6 +670,21 @@ ByteTable BuildByteTable(const Encoder& e) {
   } else if (FineCode(e, 0, 1) != FineCode(e, 0, 0)) {
     return t;
   }
+  for (int k = 0; k < 32; ++k) {
+    t.word_first[k] = static_cast<uint16_t>(t.octave[k] >> 16);
+    t.word_shift[k] = static_cast<uint16_t>(t.octave[k] & 0xff);
+  }
+  // EncodeBlockVbmi reads every |y| below `lowest` in the octave below e0, whose slot no
+  // octave uses (octaves e0..127 take at most 31 of the 32): one more entry, with the code
+  // of 0 (every |y| below `lowest` has it, checked above) and no decision point (keys of
+  // 0xffff: never below |y|'s, equal to it in 1 of 65,536, where EncodeBlockAvx512 decides).
+  if (e0 - 1 < 127 - 31 || next >= 256) return t;
+  t.word_first[(e0 - 1) & 31] = static_cast<uint16_t>(next);
+  t.word_shift[(e0 - 1) & 31] = 7;  // no index bits: the interval is the whole octave
+  t.plane[0][next] = static_cast<uint8_t>(FineCode(e, 0, 0));
+  for (int j = 1; j < 5; ++j) t.plane[j][next] = 0xff;
+  t.below = static_cast<uint16_t>(e0 - 1);
+  t.entries = next + 1;
   t.ok = true;
   return t;
 }
@@ -688,27 +711,7 @@ const ByteTable* CachedByteTable(const Encoder& e) {
 
 struct ByteTableRegisters {
   __m512i p[5][4];
-  __m512i octave_lo, octave_hi;
 };
-
-// Byte `o` of each int32 of four vectors of 16, as 64 bytes in element order: two byte
-// permutes of two vectors each and a blend (vpmovdb and inserts took twice as long).
-struct BytePicker {
-  alignas(64) uint8_t sel[3][64];
-  BytePicker() {
-    for (int o = 0; o < 3; ++o)
-      for (int j = 0; j < 64; ++j) {
-        sel[o][j] = static_cast<uint8_t>((j % 32 < 16 ? 0 : 64) + 4 * (j % 16) + o);
-      }
-  }
-};
-const BytePicker kBytePicker;
-
-OD_AVX512_VBMI_ENC inline __m512i PickBytes(const __m512i (&v)[4], __m512i sel) {
-  const __m512i ab = _mm512_permutex2var_epi8(v[0], sel, v[1]);
-  const __m512i cd = _mm512_permutex2var_epi8(v[2], sel, v[3]);
-  return _mm512_mask_blend_epi8(0xffffffff00000000ull, ab, cd);
-}
 
 // |y|'s key (two bytes) above a decision point's key (hi, lo)? And equal to it?
 OD_AVX512_VBMI_ENC inline __mmask64 KeyAbove(__m512i yh, __m512i yl, __m512i h, __m512i l,
@@ -719,9 +722,40 @@ OD_AVX512_VBMI_ENC inline __mmask64 KeyAbove(__m512i yh, __m512i yl, __m512i h, 
   return _mm512_cmpgt_epu8_mask(yh, h) | (eq_h & _mm512_cmpgt_epu8_mask(yl, l));
 }
 
-// Up to 128 entries one two-register byte permute per plane reads them (`small`), else two
-// and a blend.
-template <bool small>
+// Element j of the 64 in a group as 16-bit words: `kWordPick.hi` picks the high halves of
+// two vectors of 16 int32 in element order (word 2j + 1), `lo` the low halves; as bytes,
+// `even` the low byte of each of two vectors of 32 words, `odd` the high byte.
+struct WordPicker {
+  alignas(64) uint16_t hi[32];
+  alignas(64) uint16_t lo[32];
+  alignas(64) uint8_t even[64];
+  alignas(64) uint8_t odd[64];
+  WordPicker() {
+    for (int j = 0; j < 32; ++j) {
+      hi[j] = static_cast<uint16_t>(2 * j + 1);
+      lo[j] = static_cast<uint16_t>(2 * j);
+    }
+    for (int j = 0; j < 64; ++j) {
+      even[j] = static_cast<uint8_t>(2 * j);
+      odd[j] = static_cast<uint8_t>(2 * j + 1);
+    }
+  }
+};
+const WordPicker kWordPick;
+
+// The encoder, 64 elements at a time. After the division, the work is done on 16-bit halves
+// of |y|, 32 to a register: the high half holds the exponent and the 7 leading mantissa bits,
+// which are all the index bits an octave has, and the key is a funnel shift of both halves
+// (VBMI2). The tables' byte planes are read with one byte permute of two registers where they
+// have at most 128 entries (`small`), else two and a blend. |y| is first raised to `lowest`
+// (smaller values have its code), and a NaN, an infinity or anything else above 1 (or, for
+// the unsigned map, below 0), which the other encoders clip, goes to EncodeBlockAvx512, as an
+// element whose key equals a decision point's does. Without the clip a finite |y| above 1
+// cannot occur: |x| <= absmax in every block without a NaN (the division and the power-of-two
+// factor keep the order), and in a block with a NaN (absmax NaN, scale 1) a value in
+// (1, 1 + 2^-7), whose high half is 1's, reads octave 127's first entry, which is 1's code.
+// (The encoder before this one, with 32-bit lanes, was 1.2-1.4x slower: docs/memory.md.)
+template <bool small, bool is_signed, bool scaled>
 OD_AVX512_VBMI_ENC void EncodeBlockVbmiT(const ByteTable& t, const float* x, float factor,
                                          float scale, float lo, const int32_t* entries,
                                          int32_t shift, int32_t first, int32_t n, int block,
@@ -729,59 +763,61 @@ OD_AVX512_VBMI_ENC void EncodeBlockVbmiT(const ByteTable& t, const float* x, flo
   ByteTableRegisters r;
   for (int j = 0; j < 5; ++j)
     for (int h = 0; h < (small ? 2 : 4); ++h) r.p[j][h] = _mm512_load_si512(t.plane[j] + 64 * h);
-  r.octave_lo = _mm512_load_si512(t.octave);
-  r.octave_hi = _mm512_load_si512(t.octave + 16);
-  __mmask64 high = 0;  // the entry indices' top bits (none below 128 entries)
+  const __m512i w_first = _mm512_load_si512(t.word_first);
+  const __m512i w_shift = _mm512_load_si512(t.word_shift);
+  const __m512i pick_hi = _mm512_load_si512(kWordPick.hi);
+  const __m512i pick_lo = _mm512_load_si512(kWordPick.lo);
+  const __m512i pick_even = _mm512_load_si512(kWordPick.even);
+  const __m512i pick_odd = _mm512_load_si512(kWordPick.odd);
+  __mmask64 high = 0;
   __m512i idx;
   auto lookup = [&](int j) OD_AVX512_VBMI_ENC {
     return small ? _mm512_permutex2var_epi8(r.p[j][0], idx, r.p[j][1])
                  : Lookup256(r.p[j], idx, high);
   };
-  const bool scaled = factor != 1.0f;  // x * 1 is x: skip the multiply
   const __m512 f = _mm512_set1_ps(factor), s = _mm512_set1_ps(scale);
-  const __m512 vlo = _mm512_set1_ps(lo), vone = _mm512_set1_ps(1.0f);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), mant_mask = _mm512_set1_epi32(0x7fffff);
-  const __m512i one_bits = _mm512_set1_epi32(0x3f800000), count_mask = _mm512_set1_epi32(0xff);
-  const __m512i lowest = _mm512_set1_epi32(static_cast<int32_t>(t.lowest));
-  const __m512i zero = _mm512_setzero_si512();
+  const __m512i abs_hi = _mm512_set1_epi16(0x7fff), one_hi = _mm512_set1_epi16(0x3f80);
+  const __m512i mant_hi = _mm512_set1_epi16(0x7f);
+  const __m512i below = _mm512_set1_epi16(static_cast<int16_t>(t.below));
   const __m512i ones = _mm512_set1_epi8(1), far = _mm512_set1_epi8(static_cast<char>(254));
-  const __m512i pick_index = _mm512_load_si512(kBytePicker.sel[2]);
-  const __m512i pick_lo = _mm512_load_si512(kBytePicker.sel[0]);
-  const __m512i pick_hi = _mm512_load_si512(kBytePicker.sel[1]);
   const int full = block - block % 64;
   for (int i = 0; i < full; i += 64) {
-    __m512i packed[4];  // per element: |y|'s key (bytes 0, 1) and entry index (byte 2)
-    uint64_t neg = 0, odd = 0;
+    __m512i y[4];
     for (int q = 0; q < 4; ++q) {
-      // y, its sign and |y| exactly as EncodeBlockAvx512 computes them.
       const __m512 xq = _mm512_loadu_ps(x + i + 16 * q);
-      const __m512 v = _mm512_div_ps(scaled ? _mm512_mul_ps(xq, f) : xq, s);
-      const __m512 y = _mm512_min_ps(vone, _mm512_max_ps(vlo, v));
-      const __m512i u = _mm512_castps_si512(y);
-      const __m512i mag = _mm512_and_si512(u, abs_mask);
-      neg |= static_cast<uint64_t>(_mm512_cmplt_epi32_mask(u, zero)) << (16 * q);
-      odd |= static_cast<uint64_t>(_mm512_cmpgt_epi32_mask(mag, one_bits)) << (16 * q);  // NaN
-      // The octave's entry by |y|'s exponent (the permute reads its low 5 bits).
-      const __m512i raised = _mm512_max_epu32(mag, lowest);
-      const __m512i entry =
-          _mm512_permutex2var_epi32(r.octave_lo, _mm512_srli_epi32(raised, 23), r.octave_hi);
-      const __m512i count = _mm512_and_si512(entry, count_mask);  // shift - 16
-      const __m512i bits = _mm512_srlv_epi32(_mm512_and_si512(raised, mant_mask), count);
-      // bits: the interval within the octave above bit 16, the key below; + first << 16.
-      packed[q] = _mm512_add_epi32(bits, _mm512_sub_epi32(entry, count));
+      y[q] = _mm512_castps_si512(_mm512_div_ps(scaled ? _mm512_mul_ps(xq, f) : xq, s));
     }
-    idx = PickBytes(packed, pick_index);
+    __m512i index[2], key[2];
+    __mmask32 odd[2], neg[2] = {0, 0};
+    for (int w = 0; w < 2; ++w) {
+      const __m512i hi = _mm512_permutex2var_epi16(y[2 * w], pick_hi, y[2 * w + 1]);
+      const __m512i low = _mm512_permutex2var_epi16(y[2 * w], pick_lo, y[2 * w + 1]);
+      if (is_signed) neg[w] = _mm512_movepi16_mask(hi);
+      const __m512i mag = is_signed ? _mm512_and_si512(hi, abs_hi) : hi;
+      odd[w] = _mm512_cmpgt_epu16_mask(mag, one_hi);  // NaN, +-inf, > 1; unsigned: < 0
+      // The permutes read the octave's low 5 bits; below e0, the octave below it.
+      const __m512i octave = _mm512_max_epu16(_mm512_srli_epi16(mag, 7), below);
+      const __m512i sh = _mm512_permutexvar_epi16(octave, w_shift);
+      const __m512i m7 = _mm512_and_si512(hi, mant_hi);
+      index[w] = _mm512_add_epi16(_mm512_permutexvar_epi16(octave, w_first),
+                                  _mm512_srlv_epi16(m7, sh));
+      // Bits [sh, sh + 16) of y's 32 bits (hi:low), all mantissa bits (sh <= 7).
+      key[w] = _mm512_shrdv_epi16(low, hi, sh);
+    }
+    idx = _mm512_permutex2var_epi8(index[0], pick_even, index[1]);
     if (!small) high = _mm512_movepi8_mask(idx);
-    const __m512i yl = PickBytes(packed, pick_lo), yh = PickBytes(packed, pick_hi);
+    const __m512i yl = _mm512_permutex2var_epi8(key[0], pick_even, key[1]);
+    const __m512i yh = _mm512_permutex2var_epi8(key[0], pick_odd, key[1]);
     __m512i code = lookup(0);
     __mmask64 equal = 0;
     const __mmask64 above1 = KeyAbove(yh, yl, lookup(1), lookup(2), &equal);
     const __mmask64 above2 = KeyAbove(yh, yl, lookup(3), lookup(4), &equal);
     code = _mm512_mask_add_epi8(code, above1, code, ones);
     code = _mm512_mask_add_epi8(code, above2, code, ones);
-    if (t.mirrored) code = _mm512_mask_subs_epu8(code, _cvtu64_mask64(neg), far, code);
+    if (is_signed) code = _mm512_mask_subs_epu8(code, _kunpackd_mask64(neg[1], neg[0]), far, code);
     _mm512_storeu_si512(codes + i, code);
-    const uint64_t redo = static_cast<uint64_t>(equal) | odd;
+    const uint64_t redo =
+        static_cast<uint64_t>(equal) | static_cast<uint64_t>(_kunpackd_mask64(odd[1], odd[0]));
     if (redo != 0) {
       for (int q = 0; q < 4; ++q) {
         if ((redo >> (16 * q)) & 0xffffu) {
@@ -797,12 +833,21 @@ OD_AVX512_VBMI_ENC void EncodeBlockVbmiT(const ByteTable& t, const float* x, flo
   }
 }
 
+// EncodeBlockVbmiT for t's table size and map, multiplying by `factor` where it is not 1.
 void EncodeBlockVbmi(const ByteTable& t, const float* x, float factor, float scale, float lo,
                      const int32_t* entries, int32_t shift, int32_t first, int32_t n, int block,
                      uint8_t* codes) {
-  (t.entries <= 128 ? EncodeBlockVbmiT<true> : EncodeBlockVbmiT<false>)(
-      t, x, factor, scale, lo, entries, shift, first, n, block, codes);
+  using Fn = void (*)(const ByteTable&, const float*, float, float, float, const int32_t*,
+                      int32_t, int32_t, int32_t, int, uint8_t*);
+  static constexpr Fn kVariants[2][2][2] = {
+      {{EncodeBlockVbmiT<false, false, false>, EncodeBlockVbmiT<false, false, true>},
+       {EncodeBlockVbmiT<false, true, false>, EncodeBlockVbmiT<false, true, true>}},
+      {{EncodeBlockVbmiT<true, false, false>, EncodeBlockVbmiT<true, false, true>},
+       {EncodeBlockVbmiT<true, true, false>, EncodeBlockVbmiT<true, true, true>}}};
+  kVariants[t.entries <= 128][t.mirrored][factor != 1.0f](t, x, factor, scale, lo, entries,
+                                                           shift, first, n, block, codes);
 }
+
 #endif
 
 #if defined(OD_X86_AVX512)

@@ -518,13 +518,11 @@ OD_AVX512 void EncodeBlockAvx512(const float* x, float factor, float scale, floa
 
 struct ByteTable {
   alignas(64) uint8_t plane[5][256];  // code, point 1 high/low byte, point 2 high/low byte
-  alignas(64) int32_t octave[32];     // by exponent mod 32: first entry << 16 | (shift - 16)
-  // The octave table again as two 16-bit tables, for EncodeBlockVbmi: the first entry, and
-  // shift - 16.
-  alignas(64) uint16_t word_first[32];
-  alignas(64) uint16_t word_shift[32];
-  uint16_t below;  // e0 - 1, the octave EncodeBlockVbmi gives every |y| below `lowest`
-  uint32_t lowest;                    // smaller |y| have its code: it is raised to this
+  // By exponent mod 32, each octave's first entry, and how far its mantissa bits are shifted
+  // right to give its index bits and key (7 - the index bits).
+  alignas(64) uint16_t octave_first[32];
+  alignas(64) uint16_t octave_shift[32];
+  uint16_t below;  // every |y| of a smaller exponent reads this octave's (one entry: 0's code)
   int entries;
   bool ok;
   bool mirrored;  // signed: the negative side is the positive side's mirror image
@@ -543,10 +541,9 @@ inline int FineCode(const Encoder& e, uint32_t mag, int side) {
 // ByteTable t's code for |y| = mag <= 1 (positive side), as EncodeBlockVbmi computes it, or
 // -1 where its keys are equal and EncodeBlockAvx512 decides.
 inline int ByteTableCode(const ByteTable& t, uint32_t mag) {
-  const uint32_t raised = std::max(mag, t.lowest);
-  const int32_t entry = t.octave[(raised >> 23) & 31];
-  const uint32_t bits = (raised & 0x7fffffu) >> (entry & 0xff);
-  const int index = (entry >> 16) + static_cast<int>(bits >> 16);
+  const uint32_t octave = std::max<uint32_t>(mag >> 23, t.below) & 31;
+  const uint32_t bits = (mag & 0x7fffffu) >> t.octave_shift[octave];
+  const int index = t.octave_first[octave] + static_cast<int>(bits >> 16);
   const uint32_t key = bits & 0xffffu;
   int code = t.plane[0][index];
   for (int k = 0; k < 2; ++k) {
@@ -574,7 +571,11 @@ ByteTable BuildByteTable(const Encoder& e) {
   if (static_cast<uint32_t>(e.entries[0] >> 8) < never) return t;  // a point below `first`
   if (e.lo < 0.0f && static_cast<uint32_t>(e.entries[e.n] >> 8) < never) return t;
   if ((static_cast<uint64_t>(e.first + e.n) << e.shift) <= one) return t;  // entries end below 1
-  t.lowest = static_cast<uint32_t>(e0) << 23;  // in entry 0's interval, as everything below
+  // Below octave e0 every |y| has 0's code (checked next): its octave, e0 - 1, whose slot no
+  // other octave uses (e0..127 take at most 31 of the 32), gets one entry with that code and
+  // no decision point (keys of 0xffff: never below |y|'s, equal to it in 1 of 65,536, where
+  // EncodeBlockAvx512 decides).
+  if (e0 - 1 < 127 - 31) return t;
   int next = 0;
   auto add_entry = [&](int code, const uint32_t* at, int count, int shift) {
     t.plane[0][next] = static_cast<uint8_t>(code);
@@ -585,7 +586,11 @@ ByteTable BuildByteTable(const Encoder& e) {
     }
     ++next;
   };
-  if (FineCode(e, t.lowest, 0) != FineCode(e, 0, 0)) return t;
+  if (FineCode(e, static_cast<uint32_t>(e0) << 23, 0) != FineCode(e, 0, 0)) return t;
+  t.below = static_cast<uint16_t>(e0 - 1);
+  t.octave_first[t.below & 31] = static_cast<uint16_t>(next);
+  t.octave_shift[t.below & 31] = 7;  // no index bits: the interval is the whole octave
+  add_entry(FineCode(e, 0, 0), nullptr, 0, 23);
   size_t p = 0;
   for (int32_t ex = e0; ex <= 127; ++ex) {
     const uint32_t start = static_cast<uint32_t>(ex) << 23, end = start + (1u << 23);
@@ -602,7 +607,8 @@ ByteTable BuildByteTable(const Encoder& e) {
     }
     if (bits > 7 || next + (1 << bits) > 256) return t;
     const int shift = 23 - bits;
-    t.octave[ex & 31] = (next << 16) | (shift - 16);
+    t.octave_first[ex & 31] = static_cast<uint16_t>(next);
+    t.octave_shift[ex & 31] = static_cast<uint16_t>(shift - 16);
     for (uint32_t s = 0; s < (1u << bits); ++s) {
       const uint32_t lo = start + (s << shift), hi = lo + (1u << shift);
       size_t a = begin;
@@ -623,15 +629,14 @@ ByteTable BuildByteTable(const Encoder& e) {
   std::vector<uint32_t> at = {0u, one};
   for (int32_t i = 0; i <= e.n; ++i) at.push_back(static_cast<uint32_t>(e.first + i) << e.shift);
   for (uint32_t q : points) {
-    const uint32_t key_bits = (t.octave[(q >> 23) & 31] & 0xff);  // the shift less 16
+    const uint32_t key_bits = t.octave_shift[(q >> 23) & 31];
     const uint32_t first_with_key = q & ~((1u << key_bits) - 1u);
     at.push_back(q + 1);
     at.push_back(first_with_key);
     at.push_back(first_with_key + (1u << key_bits));
   }
   for (int32_t ex = e0; ex <= 127; ++ex) {
-    const int32_t entry = t.octave[ex & 31];
-    const int shift = (entry & 0xff) + 16;
+    const int shift = t.octave_shift[ex & 31] + 16;
     for (uint32_t s = 0; s < (1u << (23 - shift)); ++s) {
       at.push_back((static_cast<uint32_t>(ex) << 23) + (s << shift));
     }
@@ -670,21 +675,6 @@ ByteTable BuildByteTable(const Encoder& e) {
   } else if (FineCode(e, 0, 1) != FineCode(e, 0, 0)) {
     return t;
   }
-  for (int k = 0; k < 32; ++k) {
-    t.word_first[k] = static_cast<uint16_t>(t.octave[k] >> 16);
-    t.word_shift[k] = static_cast<uint16_t>(t.octave[k] & 0xff);
-  }
-  // EncodeBlockVbmi reads every |y| below `lowest` in the octave below e0, whose slot no
-  // octave uses (octaves e0..127 take at most 31 of the 32): one more entry, with the code
-  // of 0 (every |y| below `lowest` has it, checked above) and no decision point (keys of
-  // 0xffff: never below |y|'s, equal to it in 1 of 65,536, where EncodeBlockAvx512 decides).
-  if (e0 - 1 < 127 - 31 || next >= 256) return t;
-  t.word_first[(e0 - 1) & 31] = static_cast<uint16_t>(next);
-  t.word_shift[(e0 - 1) & 31] = 7;  // no index bits: the interval is the whole octave
-  t.plane[0][next] = static_cast<uint8_t>(FineCode(e, 0, 0));
-  for (int j = 1; j < 5; ++j) t.plane[j][next] = 0xff;
-  t.below = static_cast<uint16_t>(e0 - 1);
-  t.entries = next + 1;
   t.ok = true;
   return t;
 }
@@ -746,15 +736,15 @@ const WordPicker kWordPick;
 // The encoder, 64 elements at a time. After the division, the work is done on 16-bit halves
 // of |y|, 32 to a register: the high half holds the exponent and the 7 leading mantissa bits,
 // which are all the index bits an octave has, and the key is a funnel shift of both halves
-// (VBMI2). The tables' byte planes are read with one byte permute of two registers where they
-// have at most 128 entries (`small`), else two and a blend. |y| is first raised to `lowest`
-// (smaller values have its code), and a NaN, an infinity or anything else above 1 (or, for
-// the unsigned map, below 0), which the other encoders clip, goes to EncodeBlockAvx512, as an
-// element whose key equals a decision point's does. Without the clip a finite |y| above 1
-// cannot occur: |x| <= absmax in every block without a NaN (the division and the power-of-two
+// (VBMI2), as ByteTableCode computes them. The tables' byte planes are read with one byte
+// permute of two registers where they have at most 128 entries (`small`), else two and a
+// blend. An exponent below the table's octaves reads octave `below`, and a NaN, an infinity
+// or anything else above 1 (or, for the unsigned map, below 0), which the other encoders
+// clip, goes to EncodeBlockAvx512, as an element whose key equals a decision point's does.
+// Without the clip a finite |y| above 1 cannot occur: |x| <= absmax in every block without a NaN (the division and the power-of-two
 // factor keep the order), and in a block with a NaN (absmax NaN, scale 1) a value in
 // (1, 1 + 2^-7), whose high half is 1's, reads octave 127's first entry, which is 1's code.
-// (The encoder before this one, with 32-bit lanes, was 1.2-1.4x slower: docs/memory.md.)
+// (The encoder before this one, with 32-bit lanes, was 1.3-1.4x slower: docs/memory.md.)
 template <bool small, bool is_signed, bool scaled>
 OD_AVX512_VBMI_ENC void EncodeBlockVbmiT(const ByteTable& t, const float* x, float factor,
                                          float scale, float lo, const int32_t* entries,
@@ -763,8 +753,8 @@ OD_AVX512_VBMI_ENC void EncodeBlockVbmiT(const ByteTable& t, const float* x, flo
   ByteTableRegisters r;
   for (int j = 0; j < 5; ++j)
     for (int h = 0; h < (small ? 2 : 4); ++h) r.p[j][h] = _mm512_load_si512(t.plane[j] + 64 * h);
-  const __m512i w_first = _mm512_load_si512(t.word_first);
-  const __m512i w_shift = _mm512_load_si512(t.word_shift);
+  const __m512i octave_first = _mm512_load_si512(t.octave_first);
+  const __m512i octave_shift = _mm512_load_si512(t.octave_shift);
   const __m512i pick_hi = _mm512_load_si512(kWordPick.hi);
   const __m512i pick_lo = _mm512_load_si512(kWordPick.lo);
   const __m512i pick_even = _mm512_load_si512(kWordPick.even);
@@ -797,9 +787,9 @@ OD_AVX512_VBMI_ENC void EncodeBlockVbmiT(const ByteTable& t, const float* x, flo
       odd[w] = _mm512_cmpgt_epu16_mask(mag, one_hi);  // NaN, +-inf, > 1; unsigned: < 0
       // The permutes read the octave's low 5 bits; below e0, the octave below it.
       const __m512i octave = _mm512_max_epu16(_mm512_srli_epi16(mag, 7), below);
-      const __m512i sh = _mm512_permutexvar_epi16(octave, w_shift);
+      const __m512i sh = _mm512_permutexvar_epi16(octave, octave_shift);
       const __m512i m7 = _mm512_and_si512(hi, mant_hi);
-      index[w] = _mm512_add_epi16(_mm512_permutexvar_epi16(octave, w_first),
+      index[w] = _mm512_add_epi16(_mm512_permutexvar_epi16(octave, octave_first),
                                   _mm512_srlv_epi16(m7, sh));
       // Bits [sh, sh + 16) of y's 32 bits (hi:low), all mantissa bits (sh <= 7).
       key[w] = _mm512_shrdv_epi16(low, hi, sh);

@@ -3,6 +3,9 @@
 One run measures every size side by side. For each size N the parameters are one float32
 matrix of shape (round(N / 1024), 1024) (a multiple of the block size, as real layers are);
 ``--ragged`` adds a (N / 1000, 1000) matrix whose size is not a multiple of 256 (padding path).
+``--leaves K`` splits the N parameters into K such matrices, (round(N / K / 1024), 1024)
+each, as a model's layers are: the optimizer then runs K kernel calls per step (in order,
+``optax_decoupled.storage.KernelOrder``), and the program's temporaries are one leaf's.
 The timed step is ``update`` + ``apply_updates`` of ``optax_decoupled.adamw``, jitted with
 the parameters and the state donated (updated in place), as in a training loop. Each other
 dtype is timed in turns with float32, in blocks of ``--block`` steps of one program (fp32 x5,
@@ -44,6 +47,7 @@ writes a copy of the old codes instead of the output even in a training step).
     python benchmarks/state_memory.py --rotation pairs  # single steps in turns (before)
     python benchmarks/state_memory.py --step train --dtypes int8
     python benchmarks/state_memory.py --step train --wrap apply_if_finite --dtypes int8
+    python benchmarks/state_memory.py --sizes 2e7 --leaves 20   # 20 matrices of 1e6
 
 Targets (issue 6): int8 state <= 0.27x float32 for large tensors; step time <= 1.5x float32.
 """
@@ -120,8 +124,8 @@ def make_step(state_dtype, kind: str = "update", wrap: str = "none"):
         return optax.apply_updates(params, updates), state
 
     def train(params, state, x):
-        grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"])))(params)
-        return update(params, state, grads)
+        loss = lambda p: sum(jnp.sum(jnp.tanh(x @ w)) for w in jax.tree.leaves(p))  # noqa: E731
+        return update(params, state, jax.grad(loss)(params))
 
     return tx, jax.jit(update if kind == "update" else train, donate_argnums=(0, 1))
 
@@ -134,19 +138,28 @@ def bench_size(
     kind: str = "update",
     block: int = 5,
     wrap: str = "none",
+    leaves: int = 1,
 ) -> dict:
     """Times the step of each of ``dtypes`` at ``shape`` (see the module docstring):
     ``repeats`` turns of ``block`` steps per program with ``rotation="blocks"``, the first
-    step of each block not counted; single steps with ``"pairs"`` and ``"all"``."""
+    step of each block not counted; single steps with ``"pairs"`` and ``"all"``. With
+    ``leaves`` > 1 the parameters are that many matrices of ``shape``."""
     if rotation != "blocks":
         block = 1
     elif block < 2:
         raise ValueError(f"block: at least 2 steps with rotation='blocks', got {block}")
     skip = 1 if block > 1 else 0
     key = jax.random.key(0)
-    params0 = {"w": jax.random.normal(key, shape, jnp.float32)}
+    names = ["w"] if leaves == 1 else [f"w{i}" for i in range(leaves)]
+    keys = {name: jax.random.fold_in(key, 10 + i) for i, name in enumerate(names)}
+    if leaves == 1:
+        keys = {"w": key}
+    params0 = {k: jax.random.normal(keys[k], shape, jnp.float32) for k in names}
     if kind == "update":  # what the step takes besides params and state: the gradient
-        data = {"w": 0.01 * jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32)}
+        data = {
+            k: 0.01 * jax.random.normal(jax.random.fold_in(keys[k], 1), shape, jnp.float32)
+            for k in names
+        }
     else:  # or the batch
         data = jax.random.normal(jax.random.fold_in(key, 2), (TRAIN_BATCH, shape[0]))
     runs = {}
@@ -178,8 +191,9 @@ def bench_size(
                         (f32_times if sd == "float32" else times[sd]).append(dt)
         times["float32"] += f32_times
         anchor.update({sd: f32_times for sd in turn if sd != "float32"})
-    n = int(np.prod(shape))
+    n = leaves * int(np.prod(shape))
     out = {"shape": list(shape), "num_params": n, "rotation": rotation, "step": kind, "wrap": wrap}
+    out["leaves"] = leaves
     out["block"], out["timed_steps"] = block, len(times["float32"])
     for sd in dtypes:
         sb = runs[sd]["bytes"]
@@ -210,7 +224,9 @@ def markdown(results: list[dict]) -> str:
     head += [f"{LABELS[sd]}/fp32 time" for sd in others]
     lines = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 2)]
     for r in results:
-        cells = [f"{r['num_params']:,}", str(tuple(r["shape"]))]
+        leaves = r.get("leaves", 1)
+        shape = str(tuple(r["shape"])) if leaves == 1 else f"{leaves} x {tuple(r['shape'])}"
+        cells = [f"{r['num_params']:,}", shape]
         cells += [memory.format_bytes(r[sd]["state_bytes"]) for sd in stored]
         cells += [f"{r['int8']['state_ratio']:.4f}"] if "int8" in dtypes else []
         cells += [f"{r[sd]['step_ms_median']:.1f}" for sd in dtypes]
@@ -226,6 +242,9 @@ def main(argv=None) -> list[dict]:
         "--repeats", type=int, default=7, help="turns per dtype (blocks, or single steps)"
     )
     parser.add_argument("--ragged", action="store_true", help="also (N/1000, 1000) matrices")
+    parser.add_argument(
+        "--leaves", type=int, default=1, help="split each size into this many matrices"
+    )
     parser.add_argument(
         "--dtypes", nargs="+", choices=STATE_DTYPES[1:], default=list(STATE_DTYPES[1:]),
         help="state dtypes to time against float32 (default: all)",
@@ -260,11 +279,13 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     if args.block < 2 and args.rotation == "blocks":
         parser.error("--block must be at least 2 (the first step of each block is not counted)")
+    if args.leaves < 1:
+        parser.error("--leaves must be at least 1")
     shapes = []
     for n in args.sizes:
-        shapes.append((max(1, round(n / 1024)), 1024))
+        shapes.append((max(1, round(n / args.leaves / 1024)), 1024))
         if args.ragged:
-            shapes.append((max(1, round(n / 1000)), 1000))
+            shapes.append((max(1, round(n / args.leaves / 1000)), 1000))
     load_at_start = C.load_average()
     machine = C.machine_info()
     env = {
@@ -282,6 +303,7 @@ def main(argv=None) -> list[dict]:
         "block": args.block if args.rotation == "blocks" else 1,
         "step": args.step,
         "wrap": args.wrap,
+        "leaves": args.leaves,
         "dtypes": ["float32", *dict.fromkeys(args.dtypes)],
         # The allocator's settings change how much the temporaries cost (docs/memory.md).
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(MALLOC_ENV)},
@@ -293,7 +315,16 @@ def main(argv=None) -> list[dict]:
     for shape in shapes:
         dtypes = ("float32", *dict.fromkeys(args.dtypes))
         results.append(
-            bench_size(shape, args.repeats, args.rotation, dtypes, args.step, args.block, args.wrap)
+            bench_size(
+                shape,
+                args.repeats,
+                args.rotation,
+                dtypes,
+                args.step,
+                args.block,
+                args.wrap,
+                args.leaves,
+            )
         )
         print(markdown(results[-1:]).splitlines()[-1], flush=True)
         if args.json:  # after every size: a run stopped by a time limit keeps what it measured

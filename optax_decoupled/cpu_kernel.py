@@ -35,9 +35,14 @@ before they are quantized, as bitsandbytes does. Where the gradient is computed 
 program (a training step) the kernel computes it in its pass too and writes it in the
 gradient's buffer (``requantize_ema(..., output=...)``); where the gradient is an argument
 of the jitted function (an update step of its own), XLA would have to copy it first, so the
-kernel writes a copy of the old codes instead, from which XLA computes the output, fused into
-the parameter update (``emit_old``). :func:`single_device_or` tells the two apart when the
-program is lowered. The kernel's output rounds each operation as XLA:CPU's program of the
+kernel writes it to a buffer of its own (``output_in_place=False``) up to 16 MiB
+(:data:`optax_decoupled.storage.OUTPUT_BUFFER_MAX_BYTES`) or where it is no larger than a copy
+of the old moments (bfloat16 Adam), and otherwise such a copy, from which XLA computes the
+output, fused into the parameter update (``emit_old``).
+:func:`single_device_or` tells the two apart when the program is lowered. The calls for the
+leaves of one update run one after another (``after=``,
+:class:`optax_decoupled.storage.KernelOrder`), so that their temporaries are not all live
+at once. The kernel's output rounds each operation as XLA:CPU's program of the
 formula does (the bias corrections as multiplications by their reciprocals); XLA, fusing the
 output into the rest of a step, may contract a multiply-add, so the two can differ by an ulp.
 
@@ -422,6 +427,8 @@ def requantize_ema(
     *,
     emit_old: bool = False,
     output: Any = None,
+    output_in_place: bool = True,
+    after: jax.Array | None = None,
 ) -> Any:
     """``quantize(update(*dequantize(stored), g))`` per moment, by the compiled kernel.
 
@@ -444,8 +451,12 @@ def requantize_ema(
     the kernel also computes the transform's output ``u = output(new moments, old moments,
     g)`` in the same pass, from the float32 moments before they are quantized, and writes it
     in place of ``g`` (XLA copies ``g`` first when the program still needs it, or when it is
-    an argument of the jitted function, donated or not). The new codes are written in place
-    of ``stored``.
+    an argument of the jitted function, donated or not), or with ``output_in_place=False``
+    to a buffer of its own. The new codes are written in place of ``stored``.
+
+    ``after``, any array, is passed to the call as an operand it does not read: the call
+    then runs after the computation of ``after``. The transforms pass a result of the
+    previous leaf's call (:class:`optax_decoupled.storage.KernelOrder`).
     """
     if not available():
         raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
@@ -459,16 +470,20 @@ def requantize_ema(
             jax.ShapeDtypeStruct(q.absmax.shape, jnp.float32),
         ]
         in_place |= {3 + 4 * k + 2: 2 * k, 3 + 4 * k + 3: 2 * k + 1}  # codes, absmax
-    out_types, aliases = _results(new_types, in_place, g, emit_old=emit_old, output=output)
+    out_types, aliases = _results(
+        new_types, in_place, g, emit_old=emit_old, output=output, in_g=output_in_place
+    )
     call = jax.ffi.ffi_call(
         TARGET, out_types, vmap_method="sequential", input_output_aliases=aliases
     )
     outs = call(
         *args,
+        *(() if after is None else (after,)),
         **_layout(update),
         **_output_layout(output),
         decode_limit=np.int64(_DECODE_LIMITS[DECODE]),
         emit_old=np.int64(emit_old),
+        n_after=np.int64(after is not None),
     )
     groups = [
         tuple(
@@ -483,19 +498,26 @@ def requantize_ema(
 
 
 def _results(
-    new_types: list[Any], in_place: dict[int, int], g: jax.Array, *, emit_old: bool, output: Any
+    new_types: list[Any],
+    in_place: dict[int, int],
+    g: jax.Array,
+    *,
+    emit_old: bool,
+    output: Any,
+    in_g: bool = True,
 ) -> tuple[list[Any], dict[int, int]]:
     """Both kernels' results and aliases: the new moments (``new_types``), then with
     ``emit_old`` a copy of the old ones, or with ``output`` the transform's output, in
-    ``g``'s buffer (operand 0). ``in_place`` maps the stored moments' operands to their new
-    moments' results, which are written in place when the caller no longer reads the old
-    ones (``emit_old`` or ``output``)."""
+    ``g``'s buffer (operand 0) if ``in_g``. ``in_place`` maps the stored moments' operands to
+    their new moments' results, which are written in place when the caller no longer reads
+    the old ones (``emit_old`` or ``output``)."""
     if output is not None and emit_old:
         raise ValueError("`emit_old` and `output` are exclusive.")
     aliases = dict(in_place) if emit_old or output is not None else {}
     out_types = list(new_types) * (2 if emit_old else 1)
     if output is not None:
-        aliases[0] = len(out_types)
+        if in_g:
+            aliases[0] = len(out_types)
         out_types.append(jax.ShapeDtypeStruct(g.shape, jnp.float32))
     return out_types, aliases
 
@@ -545,6 +567,8 @@ def ema_bf16(
     *,
     emit_old: bool = False,
     output: Any = None,
+    output_in_place: bool = True,
+    after: jax.Array | None = None,
 ) -> Any:
     """``update(*stored (as float32), g)`` rounded to bfloat16, by the compiled kernel.
 
@@ -554,8 +578,10 @@ def ema_bf16(
     ``emit_old`` the result is ``(new, old)`` and the new moments are written in
     place of ``stored``, as :func:`requantize_ema` does for 8-bit moments. With ``output``
     (where :func:`applies_output`) the result is ``(new, u)``, the transform's output from
-    the new float32 moments before they are rounded, written in place of ``g``, as
-    :func:`requantize_ema` computes it; the new moments are written in place of ``stored``.
+    the new float32 moments before they are rounded, written in place of ``g`` (or with
+    ``output_in_place=False`` to a buffer of its own), as :func:`requantize_ema` computes it;
+    the new moments are written in place of ``stored``. ``after`` as for
+    :func:`requantize_ema`.
     """
     if not available():
         raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
@@ -565,6 +591,7 @@ def ema_bf16(
         g,
         emit_old=emit_old,
         output=output,
+        in_g=output_in_place,
     )
     call = jax.ffi.ffi_call(
         BF16_TARGET, out_types, vmap_method="sequential", input_output_aliases=aliases
@@ -574,9 +601,11 @@ def ema_bf16(
         _coefficients(update),
         _output_coefficients(output),
         *stored,
+        *(() if after is None else (after,)),
         **_layout(update),
         **_output_layout(output),
         emit_old=np.int64(emit_old),
+        n_after=np.int64(after is not None),
     )
     n = len(stored)
     if output is not None:
@@ -595,6 +624,7 @@ def dispatch(
     return_old: bool = False,
     output: Any = None,
     argument_kernel: Any = None,
+    after: jax.Array | None = None,
 ) -> Any:
     """How the storages run a moment update that a kernel :func:`applies` to:
     ``kernel(update, stored, g, emit_old=return_old)`` (:func:`requantize_ema` or
@@ -612,7 +642,10 @@ def dispatch(
     called with ``output=``, which writes ``u`` in place of that operand. Where the operand
     is an argument of the function being lowered (e.g. the gradient passed to a jitted
     update), XLA would have to copy it first, and ``argument_kernel(update, stored,
-    operands, output)`` runs instead (see :func:`single_device_or`)."""
+    operands, output, after=after)`` runs instead (see :func:`single_device_or`).
+
+    ``after`` (an array, or ``None``) is passed to the kernels' calls (``after=``), which
+    then run after its computation; the other branches do not use it."""
     n_stored, n_in = len(stored), len(stored) + len(operands)
     dynamic, rebuild = update.split_dynamic()
     out_dynamic, out_rebuild = output.split_dynamic() if output is not None else ((), None)
@@ -622,20 +655,29 @@ def dispatch(
     else:
         out_like = (stored, stored) if return_old else stored
 
-    def branch(fn):
+    n_after = int(after is not None)
+
+    def branch(fn, ordered=False):
         def run(*args):
+            last = args[-1] if n_after else None
+            args = args[: len(args) - n_after]
             parts = (rebuild(args[n_in : n_in + n_dyn]), args[:n_stored], args[n_stored:n_in])
             if output is not None:
                 parts += (out_rebuild(args[n_in + n_dyn :]),)
-            return fn(*parts)
+            return fn(*parts, after=last) if ordered else fn(*parts)
 
         return run
 
     if output is not None:
-        single = branch(lambda u, s, ops, o: kernel(u, s, ops[0], output=o))
+        single = branch(
+            lambda u, s, ops, o, after: kernel(u, s, ops[0], output=o, after=after), True
+        )
     else:
-        single = branch(lambda u, s, ops: kernel(u, s, ops[0], emit_old=return_old))
-    on_argument = None if argument_kernel is None else branch(argument_kernel)
+        single = branch(
+            lambda u, s, ops, after: kernel(u, s, ops[0], emit_old=return_old, after=after),
+            True,
+        )
+    on_argument = None if argument_kernel is None else branch(argument_kernel, True)
     operand_leaf = len(jax.tree.leaves(stored))  # the first operand's index among the leaves
 
     def on_cpu(*args, non_cpu=None):
@@ -649,7 +691,7 @@ def dispatch(
             non_cpu=non_cpu,
         )
 
-    args = (*stored, *operands, *dynamic, *out_dynamic)
+    args = (*stored, *operands, *dynamic, *out_dynamic, *(() if after is None else (after,)))
     if _TRACE_STATE_CLEAN is not None and _TRACE_STATE_CLEAN():  # eagerly
         return platform_dependent(*args, cpu=on_cpu, default=branch(other))
     # Traced, the primitive of single_device_or also chooses by platform: where it is not

@@ -145,6 +145,7 @@ def update_moments_and_output(
     *,
     signed: tuple[bool, ...],
     step: jax.Array | None = None,
+    order: KernelOrder | None = None,
 ) -> tuple[tuple[Any, ...], jax.Array]:
     """``(new stored moments, u)``: :func:`update_moments` of ``fn`` with the gradient ``g``
     as its operand, and the transform's output ``u = output(new, old, g)`` from the new
@@ -156,27 +157,86 @@ def update_moments_and_output(
     kernel computes both in one pass on CPU and writes ``u`` in ``g``'s buffer when ``g`` is
     a value the program computes, as in a training step (:func:`_kernel_with_output`).
     Otherwise ``u`` is computed in XLA, fused into the rest of the step, from the old
-    moments that ``update_moments(..., return_old=True)`` returns.
+    moments that ``update_moments(..., return_old=True)`` returns. With ``order`` (one
+    :class:`KernelOrder` for all leaves of an update) the kernel calls run one after another.
     """
     kernel_for = getattr(store, "output_kernel", None)
     if kernel_for is not None and not getattr(store, "needs_step", False):
         kernel = kernel_for(fn, output, tuple(stored), g)
         if kernel is not None:
-            return _kernel_with_output(store, kernel, fn, output, tuple(stored), g, signed)
+            after = None if order is None else order.last
+            written, u = _kernel_with_output(
+                store, kernel, fn, output, tuple(stored), g, signed, after
+            )
+            if order is not None:
+                order.last = jax.tree.leaves(written)[-1]
+            return written, u
     written, old = update_moments(
         store, fn, stored, (g,), like=g, signed=signed, return_old=True, step=step
     )
     return written, _output_from(store, fn, output, old, g)
 
 
-def _kernel_with_output(store, kernel, fn, output, stored, g, signed):
+class KernelOrder:
+    """Makes the CPU kernel calls of one update run one after another, in the order they are
+    traced: pass the same instance to :func:`update_moments_and_output` for every leaf.
+
+    Each call takes a result of the previous one as an operand it does not read
+    (``cpu_kernel.requantize_ema(..., after=)``). Without that, XLA:CPU's scheduler (by
+    default the one that favours concurrency) runs all of a tree's independent kernel calls
+    first and only then the fusions that read their results (the parameter updates), so the
+    temporaries of every call (the copies of the old moments, or the outputs) are live at
+    once: 39 MiB for 20 leaves of :math:`10^6` parameters with 8-bit state, a block that
+    glibc maps afresh, page by page, on every step (``docs/memory.md``, eighteenth
+    session). In order, XLA reuses one leaf's temporaries for the next. The transforms of
+    this package use one per update; ``last`` is the previous call's result (``None``
+    before the first).
+    """
+
+    def __init__(self) -> None:
+        self.last: jax.Array | None = None
+
+
+#: Where the gradient is an argument of the jitted function, the kernel writes the
+#: transform's output to a buffer of its own (rather than a copy of the old moments, from
+#: which XLA computes it) when that buffer has at most this many bytes, or no more than the
+#: copy (:func:`_output_in_kernel`).
+OUTPUT_BUFFER_MAX_BYTES = 16 * 2**20
+
+
+def _output_in_kernel(stored: tuple[Any, ...], g: jax.Array) -> bool:
+    r"""Whether the kernel should write the output to a buffer of its own where ``g`` is an
+    argument of the jitted function, rather than a copy of the old moments ``stored``.
+
+    The output replaces XLA's fusion that decodes the old moments again, but both are
+    temporaries of the program: the output 4 bytes per parameter, the copy 2 for Adam's
+    8-bit moments (1 for Lion's, 3 for AMSGrad's) and 4 for Adam's bfloat16 ones. XLA:CPU
+    allocates a program's temporaries as one block per run, which glibc serves from its heap
+    up to 32 MiB (its largest dynamic mmap threshold) and above that maps afresh on every
+    run; the kernel asks Linux for huge pages for either buffer when it is that large
+    (``AdviseHugePages``). Measured (``docs/memory.md``, eighteenth session): the output was
+    faster up to :math:`10^6` parameters with 8-bit state, and at :math:`10^7` and
+    :math:`5\cdot10^7` with bfloat16 state (the same bytes as the copy); the copy, half the
+    bytes, at :math:`10^7` with 8-bit state (20 MB from the heap against 40 MB mapped
+    afresh). So the output goes to a buffer of its own up to :data:`OUTPUT_BUFFER_MAX_BYTES`
+    (16 MiB: with :class:`KernelOrder` one leaf's temporaries are live at a time, well
+    within glibc's threshold), and above that where it is no larger than the copy."""
+    out_bytes = 4 * int(np.prod(jnp.shape(g)))
+    old_bytes = sum(
+        int(np.prod(jnp.shape(x))) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(stored)
+    )
+    return out_bytes <= max(OUTPUT_BUFFER_MAX_BYTES, old_bytes)
+
+
+def _kernel_with_output(store, kernel, fn, output, stored, g, signed, after=None):
     """:func:`update_moments_and_output` where a CPU kernel (``cpu_kernel.requantize_ema``
     or ``ema_bf16``) applies: in programs for one CPU device the kernel computes the moments
-    and the output in one pass, writing the output in place of the gradient; where the
-    gradient is an argument of the jitted function (or eagerly) the kernel writes a copy of
-    the old moments instead, from which XLA computes the output, fused into the parameter
-    update, rather than XLA copying the gradient for the kernel to overwrite
-    (``docs/memory.md``, Speed); elsewhere ``store``'s XLA program."""
+    and the output in one pass, writing the output in place of the gradient. Where the
+    gradient is an argument of the jitted function (or eagerly), XLA would have to copy it
+    for the kernel to overwrite, so the kernel writes the output to a buffer of its own where
+    :func:`_output_in_kernel`, and otherwise a copy of the old moments, from which XLA
+    computes the output, fused into the parameter update (``docs/memory.md``, Speed);
+    elsewhere ``store``'s XLA program. ``after``: see :class:`KernelOrder`."""
     from optax_decoupled import cpu_kernel
 
     def other(u, ms, ops, o):
@@ -184,8 +244,10 @@ def _kernel_with_output(store, kernel, fn, output, stored, g, signed):
         written, old = xla_store.update(u, ms, ops, ops[0], signed, return_old=True)
         return written, _output_from(xla_store, u, o, old, ops[0])
 
-    def on_argument(u, ms, ops, o):
-        written, old = kernel(u, ms, ops[0], emit_old=True)
+    def on_argument(u, ms, ops, o, after=None):
+        if _output_in_kernel(ms, ops[0]):
+            return kernel(u, ms, ops[0], output=o, output_in_place=False, after=after)
+        written, old = kernel(u, ms, ops[0], emit_old=True, after=after)
         return written, _output_from(store, u, o, old, ops[0])
 
     return cpu_kernel.dispatch(
@@ -197,6 +259,7 @@ def _kernel_with_output(store, kernel, fn, output, stored, g, signed):
         other=other,
         output=output,
         argument_kernel=on_argument,
+        after=after,
     )
 
 

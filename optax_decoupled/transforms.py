@@ -524,6 +524,7 @@ def scale_by_adam(
 
         # The output from the new moments (the table above).
         direction = AdamDirection(bc1, bc2, eps, eps_root, amsgrad)
+        order = storage_lib.KernelOrder()  # the leaves' CPU kernel calls one after another
 
         def leaf(g, mu_s, nu_s, nu_max_s=None):
             g = jnp.asarray(g)
@@ -532,7 +533,7 @@ def scale_by_adam(
             # The storage writes the moments and computes the output; it may fuse both
             # (8-bit storage does, on CPU, in its compiled kernel).
             written, u = storage_lib.update_moments_and_output(
-                store, moments, direction, stored, g, signed=signed, step=count
+                store, moments, direction, stored, g, signed=signed, step=count, order=order
             )
             return (u, *written)
 
@@ -603,11 +604,12 @@ def scale_by_lion(
         count = optax.safe_increment(state.count)
 
         direction = LionDirection(b1)
+        order = storage_lib.KernelOrder()
 
         def leaf(g, mu_s):
             g = jnp.asarray(g)
             (written,), u = storage_lib.update_moments_and_output(
-                store, momentum, direction, (mu_s,), g, signed=(True,), step=count
+                store, momentum, direction, (mu_s,), g, signed=(True,), step=count, order=order
             )
             return u, written
 

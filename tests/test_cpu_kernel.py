@@ -22,6 +22,7 @@ import pytest
 import optax_decoupled as od
 from optax_decoupled import cpu_kernel
 from optax_decoupled import quantization as Q
+from optax_decoupled import storage as storage_lib
 from optax_decoupled.moment_updates import AdamDirection, EmaMoments
 from optax_decoupled.storage import BlockwiseInt8Storage
 
@@ -526,7 +527,80 @@ def test_traced_coefficients_and_vmap():
 
 
 @needs_kernel
-def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
+@pytest.mark.parametrize(
+    "name, output",
+    [
+        ("adamw_int8", "own buffer"),
+        ("adamw_int8", "old copy"),
+        ("lion_int8", "own buffer"),
+        ("lion_int8", "old copy"),
+        ("adamw_bfloat16", "own buffer"),  # its copy would be as large: always the output
+        ("lion_bfloat16", "old copy"),
+    ],
+)
+def test_kernel_calls_of_a_tree_run_in_order(name, output, monkeypatch):
+    """The kernel calls of one update run one after another (storage.KernelOrder): each but
+    the first takes a result of the previous call as an operand (`n_after = 1`), so XLA
+    reuses one leaf's temporaries (the output, or the copy of the old moments) for the next.
+    XLA:CPU's scheduler ran all six calls first before, with every leaf's temporaries live
+    at once: six times these bounds. The order changes no value: the kernel's results for
+    the tree equal those of its leaves updated one at a time, bit for bit."""
+    if output == "old copy":
+        monkeypatch.setattr(storage_lib, "OUTPUT_BUFFER_MAX_BYTES", 0)
+    opt, state_dtype = name.split("_")
+    tx = (od.adamw if opt == "adamw" else od.lion)(1e-3, mask=None, state_dtype=state_dtype)
+    shape = (300, 1001)
+    params = {
+        f"w{i}": jnp.cos(jnp.linspace(0.0, 1.0 + i, 300 * 1001)).reshape(shape) for i in range(6)
+    }
+    params["b"] = jnp.ones(7)  # too small for 8-bit state: XLA's program, outside the order
+    grads = jax.tree.map(lambda x: jnp.sin(7.0 * x), params)
+    state = tx.init(params)
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+    text = compiled.as_text()
+    target = cpu_kernel.TARGET if state_dtype == "int8" else cpu_kernel.BF16_TARGET
+    calls = [line for line in text.splitlines() if f'custom_call_target="{target}"' in line]
+    n_calls = 6 if state_dtype == "int8" else 7
+    assert len(calls) == n_calls
+    assert sum("n_after = 1" in c for c in calls) == n_calls - 1
+    copy = output == "old copy"
+    assert all(("emit_old = 1" in c) == copy and ("out_mode = 0" in c) == copy for c in calls)
+    leaf_state = sum(x.nbytes for x in jax.tree.leaves(_leaf_state(state, "w0")))
+    one_leaf = params["w0"].nbytes if output == "own buffer" else leaf_state
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= 1.2 * one_leaf + 64 * 1024, (temp, one_leaf)
+
+    tree_u, tree_s = jax.jit(tx.update)(grads, state, params)
+    for k in params:
+        single = {k: params[k]}
+        u, s = jax.jit(tx.update)({k: grads[k]}, tx.init(single), single)
+        # XLA's programs (the float32 moments of the bias with 8-bit state; Adam's output
+        # from the copy of the old moments) fuse the bias corrections differently in the
+        # two programs: an ulp apart. The kernel's results are equal.
+        if (k == "b" and state_dtype == "int8") or (output == "old copy" and opt == "adamw"):
+            chex.assert_trees_all_close(u[k], tree_u[k], rtol=3e-7, atol=0)
+        else:
+            chex.assert_trees_all_equal(u[k], tree_u[k])
+        if k != "b" or state_dtype != "int8":
+            chex.assert_trees_all_equal(_leaf_state(s, k), _leaf_state(tree_s, k))
+
+
+def _leaf_state(state, key):
+    """The moments of parameter `key` in an optimizer state (chains of NamedTuples)."""
+    found = []
+    for part in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, dict) and key in x):
+        if isinstance(part, dict) and key in part:
+            found.append(part[key])
+    return found
+
+
+@needs_kernel
+def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu(monkeypatch):
     params = {"w": jnp.ones((300, 1001))}
     tx = od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype="int8")
     state = tx.init(params)
@@ -538,9 +612,25 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
     assert cpu_kernel.TARGET in compiled.as_text()
     # The gradient is an argument: the kernel writes the new codes and scales in place of the
-    # donated ones, and a copy of the old ones for the transform's output (computed from
-    # them, fused into the parameter update): XLA copies no codes itself, and its
-    # temporaries are that copy and nothing else, no float32 array of the parameter's size.
+    # donated ones and the transform's output to a buffer of its own (at most
+    # storage.OUTPUT_BUFFER_MAX_BYTES): XLA copies neither the codes nor the gradient, and
+    # its temporaries are that output and nothing else.
+    text = compiled.as_text()
+    assert not entry_copies(text, "u8["), entry_copies(text, "u8[")
+    assert not entry_copies(text, "f32["), entry_copies(text, "f32[")
+    assert "out_mode = 1" in text and "emit_old = 0" in text
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= params["w"].nbytes + 4096, (temp, params["w"].nbytes)
+
+    # Above that size the kernel writes a copy of the old codes instead, half the output's
+    # bytes, from which XLA computes the output, fused into the parameter update: the
+    # temporaries are that copy, no float32 array of the parameter's size.
+    monkeypatch.setattr(storage_lib, "OUTPUT_BUFFER_MAX_BYTES", params["w"].nbytes - 1)
+
+    def step_above(p, s, g):
+        return step(p, s, g)
+
+    compiled = jax.jit(step_above, donate_argnums=(0, 1)).lower(params, state, params).compile()
     text = compiled.as_text()
     assert not entry_copies(text, "u8["), entry_copies(text, "u8[")
     assert not entry_copies(text, "f32["), entry_copies(text, "f32[")

@@ -11,9 +11,15 @@
 // portable C++ that the compiler vectorizes (target clones for AVX-512, AVX2 and baseline
 // x86-64). With out_mode it also computes the transform's output (Adam's, AMSGrad's or
 // Lion's, AdamOutBlock/LionOutBlock) from each block's new float32 moments, before they are
-// quantized, and writes it to its own result, which the caller aliases with the gradient.
-// A second handler, OdEmaBf16 (at the end), does the same moving averages on moments stored
-// in bfloat16, with the same optional output.
+// quantized, and writes it to its own result, which the caller aliases with the gradient
+// or not. A second handler, OdEmaBf16 (at the end), does the same moving averages on moments
+// stored in bfloat16, with the same optional output.
+//
+// With the attribute n_after = 1 both take one more operand after the moments, which they
+// never read: the caller passes a result of the previous kernel call of the same update, so
+// that XLA runs the calls of a tree's leaves one after another, each followed by what reads
+// its results, instead of all calls first (its CPU scheduler's default order), which keeps
+// every call's temporaries alive at once (docs/memory.md, eighteenth session).
 //
 // The Python side (optax_decoupled/cpu_kernel.py) is the only caller. It passes the maps and
 // the encoder tables of optax_decoupled/quantization.py; this file adds no numerics of its
@@ -1090,8 +1096,12 @@ void QuantizeBlock(const float* x, const Encoder& e, int block, uint8_t* codes,
 // temporaries, which glibc maps afresh on every step once it exceeds 32 MiB; filling it then
 // takes a page fault per 4 KiB from the kernel's threads (24,800 per step at 5e7 parameters),
 // and the step was 3% slower than with XLA's own copy. With huge pages (THP in "madvise"
-// mode, the common default) it is 12-19% faster instead (docs/memory.md). Only this buffer
-// is advised, never memory outside it; elsewhere, or where THP is off, nothing changes. (The
+// mode, the common default) it is 12-19% faster instead (docs/memory.md). The same goes
+// for the output where it has a buffer of its own rather than g's (out_mode, the gradient
+// an argument of the program): with the advice, bfloat16 Adam's update step at 1e7 and 5e7
+// parameters was faster with it than with the copy of the old moments, without it slower
+// (docs/memory.md, eighteenth session). Only these buffers are advised, never memory outside them; elsewhere,
+// or where THP is off, nothing changes. (The
 // advice stays on the range after XLA frees the block: where the allocator keeps it, as with
 // the docs' GLIBC_TUNABLES setting, the next step's block, at the same place, has it anyway.)
 constexpr size_t kHugePageMin = size_t{4} << 20;
@@ -1194,7 +1204,7 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
                              int64_t has_max, int64_t max_divide, int64_t power0,
                              int64_t power1, int64_t decode_limit, int64_t emit_old,
                              int64_t out_mode, int64_t out_den, int64_t out_scale_num,
-                             int64_t out_scale_den) {
+                             int64_t out_scale_den, int64_t n_after) {
   const int64_t n_moments = n_ema + has_max;
   if (!MomentLayoutValid(n_ema, has_max, power0, power1)) {
     return ffi::Error::InvalidArgument("requantize_ema: unsupported moment layout");
@@ -1203,7 +1213,8 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
     return ffi::Error::InvalidArgument("requantize_ema: unsupported output");
   }
   const int64_t n_rets = 2 * n_moments * (emit_old ? 2 : 1) + (out_mode ? 1 : 0);
-  if (rest.size() != static_cast<size_t>(4 * n_moments) ||
+  if ((n_after != 0 && n_after != 1) ||
+      rest.size() != static_cast<size_t>(4 * n_moments + n_after) ||
       rets.size() != static_cast<size_t>(n_rets)) {
     return ffi::Error::InvalidArgument("requantize_ema: wrong number of operands");
   }
@@ -1402,6 +1413,7 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
   for (int64_t k = 0; k < n_moments && emit_old; ++k) {
     AdviseHugePages(old_codes_out[k], static_cast<size_t>(n_blocks * block));
   }
+  if (out_d != nullptr && out_d != gd) AdviseHugePages(out_d, static_cast<size_t>(size) * 4);
   ParallelFor(pool, n_tasks, work);
   return ffi::Error::Success();
 }
@@ -1537,7 +1549,7 @@ ffi::Error EmaBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffe
                        ffi::RemainingRets rets, int64_t n_ema, int64_t has_max,
                        int64_t max_divide, int64_t power0, int64_t power1, int64_t emit_old,
                        int64_t out_mode, int64_t out_den, int64_t out_scale_num,
-                       int64_t out_scale_den) {
+                       int64_t out_scale_den, int64_t n_after) {
   const int64_t n_moments = n_ema + has_max;
   if (!MomentLayoutValid(n_ema, has_max, power0, power1)) {
     return ffi::Error::InvalidArgument("ema_bf16: unsupported moment layout");
@@ -1546,7 +1558,8 @@ ffi::Error EmaBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffe
     return ffi::Error::InvalidArgument("ema_bf16: unsupported output");
   }
   const size_t n_rets = static_cast<size_t>(n_moments * (emit_old ? 2 : 1) + (out_mode ? 1 : 0));
-  if (rest.size() != static_cast<size_t>(n_moments) || rets.size() != n_rets) {
+  if ((n_after != 0 && n_after != 1) || rest.size() != static_cast<size_t>(n_moments + n_after) ||
+      rets.size() != n_rets) {
     return ffi::Error::InvalidArgument("ema_bf16: wrong number of operands");
   }
   if (coef.element_count() != 5) {
@@ -1606,6 +1619,7 @@ ffi::Error EmaBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffe
   for (int64_t k = 0; k < n_moments && emit_old; ++k) {
     AdviseHugePages(a.old[k], static_cast<size_t>(size) * 2);
   }
+  if (a.u != nullptr && a.u != a.g) AdviseHugePages(a.u, static_cast<size_t>(size) * 4);
   constexpr int64_t kChunk = 1 << 14;
   const int64_t n_tasks = (size + kChunk - 1) / kChunk;
   ParallelFor(pool, n_tasks, [&](int64_t task) {
@@ -1667,7 +1681,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OdRequantizeEma, RequantizeEmaImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gradient, any shape
                                   .Arg<ffi::Buffer<ffi::F32>>()  // coefficients
                                   .Arg<ffi::Buffer<ffi::F32>>()  // output coefficients
-                                  .RemainingArgs()  // (map, table, codes, absmax)...
+                                  .RemainingArgs()  // (map, table, codes, absmax)... [after]
                                   // (codes, absmax)... [old (codes, absmax)...] [output]
                                   .RemainingRets()
                                   .Attr<int64_t>("n_ema")
@@ -1680,7 +1694,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OdRequantizeEma, RequantizeEmaImpl,
                                   .Attr<int64_t>("out_mode")
                                   .Attr<int64_t>("out_den")
                                   .Attr<int64_t>("out_scale_num")
-                                  .Attr<int64_t>("out_scale_den"));
+                                  .Attr<int64_t>("out_scale_den")
+                                  .Attr<int64_t>("n_after"));
 
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* OdEmaBf16(
     XLA_FFI_CallFrame* call_frame);
@@ -1691,7 +1706,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OdEmaBf16, EmaBf16Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gradient, any shape
                                   .Arg<ffi::Buffer<ffi::F32>>()  // coefficients
                                   .Arg<ffi::Buffer<ffi::F32>>()  // output coefficients
-                                  .RemainingArgs()  // stored bfloat16 moments
+                                  .RemainingArgs()  // stored bfloat16 moments [, after]
                                   .RemainingRets()  // new moments [, old copies] [, output]
                                   .Attr<int64_t>("n_ema")
                                   .Attr<int64_t>("has_max")
@@ -1702,4 +1717,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OdEmaBf16, EmaBf16Impl,
                                   .Attr<int64_t>("out_mode")
                                   .Attr<int64_t>("out_den")
                                   .Attr<int64_t>("out_scale_num")
-                                  .Attr<int64_t>("out_scale_den"));
+                                  .Attr<int64_t>("out_scale_den")
+                                  .Attr<int64_t>("n_after"));

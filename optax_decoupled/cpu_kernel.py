@@ -645,7 +645,11 @@ def dispatch(
     operands, output, after=after)`` runs instead (see :func:`single_device_or`).
 
     ``after`` (an array, or ``None``) is passed to the kernels' calls (``after=``), which
-    then run after its computation; the other branches do not use it."""
+    then run after its computation, except where the kernel writes the output in place of
+    the operand (a training step's gradient): those calls have no temporaries to keep apart,
+    and in order they could not overlap the rest of the step (a layer's update could not
+    start before the previous leaf's, which backpropagation computes later). The other
+    branches do not use it."""
     n_stored, n_in = len(stored), len(stored) + len(operands)
     dynamic, rebuild = update.split_dynamic()
     out_dynamic, out_rebuild = output.split_dynamic() if output is not None else ((), None)
@@ -668,10 +672,8 @@ def dispatch(
 
         return run
 
-    if output is not None:
-        single = branch(
-            lambda u, s, ops, o, after: kernel(u, s, ops[0], output=o, after=after), True
-        )
+    if output is not None:  # the output in place of the operand: no temporaries to order
+        single = branch(lambda u, s, ops, o: kernel(u, s, ops[0], output=o))
     else:
         single = branch(
             lambda u, s, ops, after: kernel(u, s, ops[0], emit_old=return_old, after=after),

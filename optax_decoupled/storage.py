@@ -188,9 +188,11 @@ class KernelOrder:
     temporaries of every call (the copies of the old moments, or the outputs) are live at
     once: 39 MiB for 20 leaves of :math:`10^6` parameters with 8-bit state, a block that
     glibc maps afresh, page by page, on every step (``docs/memory.md``, eighteenth
-    session). In order, XLA reuses one leaf's temporaries for the next. The transforms of
-    this package use one per update; ``last`` is the previous call's result (``None``
-    before the first).
+    session). In order, XLA reuses one leaf's temporaries for the next. Calls that write the
+    output in place of a gradient the program computes (a training step) have no such
+    temporaries and are not ordered (:func:`optax_decoupled.cpu_kernel.dispatch`). The
+    transforms of this package use one per update; ``last`` is the previous call's result
+    (``None`` before the first).
     """
 
     def __init__(self) -> None:

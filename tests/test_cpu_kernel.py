@@ -590,6 +590,31 @@ def test_kernel_calls_of_a_tree_run_in_order(name, output, monkeypatch):
             chex.assert_trees_all_equal(_leaf_state(s, k), _leaf_state(tree_s, k))
 
 
+@needs_kernel
+@pytest.mark.parametrize("state_dtype", ["int8", "bfloat16"])
+def test_training_step_kernel_calls_are_not_ordered(state_dtype):
+    """Where the kernel writes the output in place of a gradient the program computes (a
+    training step) it has no temporaries to keep apart, and the calls are not chained: each
+    may run as soon as its gradient is there, overlapping the rest of the backward pass."""
+    tx = od.adamw(1e-3, mask=None, state_dtype=state_dtype)
+    params = {
+        f"w{i}": jnp.cos(jnp.linspace(0.0, 1.0 + i, 64 * 100)).reshape(64, 100) for i in range(3)
+    }
+    x = jnp.linspace(-1.0, 1.0, 8 * 64).reshape(8, 64)
+
+    def train_step(p, s):
+        g = jax.grad(lambda p: sum(jnp.sum(jnp.tanh(x @ w)) for w in p.values()))(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    state = tx.init(params)
+    text = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state).compile().as_text()
+    target = cpu_kernel.TARGET if state_dtype == "int8" else cpu_kernel.BF16_TARGET
+    calls = [line for line in text.splitlines() if f'custom_call_target="{target}"' in line]
+    assert len(calls) == 3
+    assert all("out_mode = 1" in c and "n_after = 0" in c for c in calls), calls
+
+
 def _leaf_state(state, key):
     """The moments of parameter `key` in an optimizer state (chains of NamedTuples)."""
     found = []

@@ -155,7 +155,9 @@ def update_moments_and_output(
     Where the storage's ``output_kernel(fn, output, stored, g)`` names a compiled CPU kernel
     (8-bit and bfloat16 storage; not with stochastic rounding, which needs ``step``), that
     kernel computes both in one pass on CPU and writes ``u`` in ``g``'s buffer when ``g`` is
-    a value the program computes, as in a training step (:func:`_kernel_with_output`).
+    a value the program computes, as in a training step, and where ``g`` is an argument of
+    the jitted function to a buffer of its own up to :data:`OUTPUT_BUFFER_MAX_BYTES`
+    (:func:`_kernel_with_output`).
     Otherwise ``u`` is computed in XLA, fused into the rest of the step, from the old
     moments that ``update_moments(..., return_old=True)`` returns. With ``order`` (one
     :class:`KernelOrder` for all leaves of an update) the kernel calls run one after another.

@@ -64,6 +64,20 @@ def test_state_memory_wraps_the_transform_in_apply_if_finite(state_memory, kind)
         state_memory.make_step("int8", kind, "apply_if_nan")
 
 
+@pytest.mark.parametrize("kind", ["update", "train"])
+def test_state_memory_splits_the_parameters_into_leaves(state_memory, kind, capsys):
+    """``--leaves K``: K matrices of the given shape, timed and recorded as one tree."""
+    out = state_memory.bench_size(
+        (8, 1024), 1, "blocks", ("float32", "int8"), kind, 2, "none", leaves=3
+    )
+    assert out["leaves"] == 3 and out["num_params"] == 3 * 8 * 1024
+    assert out["int8"]["state_bytes"] < out["float32"]["state_bytes"] / 3
+    assert "| 24,576 | 3 x (8, 1024) |" in state_memory.markdown([out])
+    with pytest.raises(SystemExit):
+        state_memory.main(["--leaves", "0", "--sizes", "1e3"])
+    assert "--leaves must be at least 1" in capsys.readouterr().err
+
+
 def test_state_memory_refuses_blocks_of_one_step(state_memory, capsys):
     with pytest.raises(ValueError, match="block"):
         state_memory.bench_size((8, 1024), 1, "blocks", ("float32", "int8"), "update", 1)

@@ -124,7 +124,9 @@ def make_step(state_dtype, kind: str = "update", wrap: str = "none"):
         return optax.apply_updates(params, updates), state
 
     def train(params, state, x):
-        loss = lambda p: sum(jnp.sum(jnp.tanh(x @ w)) for w in jax.tree.leaves(p))  # noqa: E731
+        def loss(p):
+            return sum(jnp.sum(jnp.tanh(x @ w)) for w in jax.tree.leaves(p))
+
         return update(params, state, jax.grad(loss)(params))
 
     return tx, jax.jit(update if kind == "update" else train, donate_argnums=(0, 1))
@@ -150,15 +152,17 @@ def bench_size(
         raise ValueError(f"block: at least 2 steps with rotation='blocks', got {block}")
     skip = 1 if block > 1 else 0
     key = jax.random.key(0)
-    names = ["w"] if leaves == 1 else [f"w{i}" for i in range(leaves)]
-    keys = {name: jax.random.fold_in(key, 10 + i) for i, name in enumerate(names)}
-    if leaves == 1:
-        keys = {"w": key}
-    params0 = {k: jax.random.normal(keys[k], shape, jnp.float32) for k in names}
+    # One matrix keeps its name and random key from before --leaves existed.
+    keys = (
+        {"w": key}
+        if leaves == 1
+        else {f"w{i}": jax.random.fold_in(key, 10 + i) for i in range(leaves)}
+    )
+    params0 = {k: jax.random.normal(kk, shape, jnp.float32) for k, kk in keys.items()}
     if kind == "update":  # what the step takes besides params and state: the gradient
         data = {
-            k: 0.01 * jax.random.normal(jax.random.fold_in(keys[k], 1), shape, jnp.float32)
-            for k in names
+            k: 0.01 * jax.random.normal(jax.random.fold_in(kk, 1), shape, jnp.float32)
+            for k, kk in keys.items()
         }
     else:  # or the batch
         data = jax.random.normal(jax.random.fold_in(key, 2), (TRAIN_BATCH, shape[0]))

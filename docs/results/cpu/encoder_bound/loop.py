@@ -12,14 +12,15 @@ a lower bound of the step without the cost of encoding, not a correct optimizer.
 run float32, then the int8 variants, each in a process of its own (loops_*.txt).
 """
 
+import pathlib
 import sys
-import time
 
 import jax
-import numpy as np
-import optax
 
 import optax_decoupled as od
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from step_loop import donated_update_step, time_steps  # noqa: E402
 
 dtype, n, steps = sys.argv[1], int(float(sys.argv[2])), int(sys.argv[3])
 shape = (n // 1024, 1024)
@@ -29,21 +30,6 @@ p = jax.random.normal(jax.random.key(0), shape)
 g = jax.random.normal(jax.random.key(1), shape) * 1e-2
 s = tx.init(p)
 
-
-def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-
-step = jax.jit(step, donate_argnums=(0, 1))
-for _ in range(20):
-    p, s = step(p, s, g)
-jax.block_until_ready(p)
-times = []
-for _ in range(steps):
-    t = time.perf_counter()
-    p, s = step(p, s, g)
-    jax.block_until_ready(p)
-    times.append(time.perf_counter() - t)
-median, p10 = 1e3 * np.median(times), 1e3 * np.percentile(times, 10)
+step = donated_update_step(tx)
+median, p10 = time_steps(step, p, s, g, warmup=20, steps=steps)
 print(f"{dtype} N={n} median {median:.3f} ms p10 {p10:.3f} ms")

@@ -9,14 +9,15 @@ XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false.
     python tree_step.py {float32,int8,bfloat16} LEAVES N STEPS
 """
 
+import pathlib
 import sys
-import time
 
 import jax
-import numpy as np
-import optax
 
 import optax_decoupled as od
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from step_loop import donated_update_step, time_steps  # noqa: E402
 
 dtype, leaves = sys.argv[1], int(sys.argv[2])
 n, steps = int(float(sys.argv[3])), int(sys.argv[4])
@@ -27,23 +28,8 @@ p = {f"w{i}": jax.random.normal(jax.random.key(i), shape) for i in range(leaves)
 g = {k: v * 1e-2 for k, v in p.items()}
 s = tx.init(p)
 
-
-def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-
-step = jax.jit(step, donate_argnums=(0, 1))
+step = donated_update_step(tx)
 temp = step.lower(p, s, g).compile().memory_analysis().temp_size_in_bytes
-for _ in range(5):
-    p, s = step(p, s, g)
-jax.block_until_ready(p)
-times = []
-for _ in range(steps):
-    t = time.perf_counter()
-    p, s = step(p, s, g)
-    jax.block_until_ready(p)
-    times.append(time.perf_counter() - t)
-median, p10 = 1e3 * np.median(times), 1e3 * np.percentile(times, 10)
+median, p10 = time_steps(step, p, s, g, warmup=5, steps=steps)
 mib = temp / 2**20
 print(f"{dtype} leaves={leaves} N={n} temp {mib:.1f} MiB median {median:.3f} ms p10 {p10:.3f}")

@@ -11,15 +11,16 @@ first version, whose "max=-" is "mode=auto") and `loops_large.txt`.
     python update_loop.py {float32,int8,bfloat16} N STEPS [LEAVES] [MODE]
 """
 
+import pathlib
 import sys
-import time
 
 import jax
-import numpy as np
-import optax
 
 import optax_decoupled as od
 from optax_decoupled import storage
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from step_loop import donated_update_step, time_steps  # noqa: E402
 
 dtype, n, steps = sys.argv[1], int(float(sys.argv[2])), int(sys.argv[3])
 leaves = int(sys.argv[4]) if len(sys.argv) > 4 else 1
@@ -33,21 +34,6 @@ p = {f"w{i}": jax.random.normal(jax.random.key(i), shape) for i in range(leaves)
 g = {k: v * 1e-2 for k, v in p.items()}
 s = tx.init(p)
 
-
-def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-
-step = jax.jit(step, donate_argnums=(0, 1))
-for _ in range(10):
-    p, s = step(p, s, g)
-jax.block_until_ready(p)
-times = []
-for _ in range(steps):
-    t = time.perf_counter()
-    p, s = step(p, s, g)
-    jax.block_until_ready(p)
-    times.append(time.perf_counter() - t)
-median, p10 = 1e3 * np.median(times), 1e3 * np.percentile(times, 10)
+step = donated_update_step(tx)
+median, p10 = time_steps(step, p, s, g, warmup=10, steps=steps)
 print(f"{dtype} N={n} leaves={leaves} mode={mode} median {median:.3f} ms p10 {p10:.3f}")

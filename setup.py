@@ -15,7 +15,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 #: COMPILE_FLAGS and TUNING_FLAGS (the latter kept only where the compiler accepts them), shared
-#: with benchmarks/encoder_speed.py. Read by path: the package is not importable mid-build.
+#: with the benchmarks' C++ harnesses. Read by path: the package is not importable mid-build.
 _FLAGS = runpy.run_path(
     str(pathlib.Path(__file__).resolve().parent / "optax_decoupled" / "csrc" / "build_flags.py")
 )

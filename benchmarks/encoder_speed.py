@@ -18,22 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import runpy
 import subprocess
 import sys
 import tempfile
 
-import jax.ffi
-
 from optax_decoupled import cpu_kernel
 
 HERE = pathlib.Path(__file__).parent
-_BUILD_FLAGS = runpy.run_path(str(HERE.parent / "optax_decoupled" / "csrc" / "build_flags.py"))
-#: setup.py's flags for the kernel (optax_decoupled/csrc/build_flags.py: the compile flags,
-#: then the tuning flags, which setup.py adds where the compiler accepts them).
-FLAGS = [*_BUILD_FLAGS["COMPILE_FLAGS"], *_BUILD_FLAGS["TUNING_FLAGS"]]
 
 #: The encoders the kernel has (the JSON's ``{key}_ns``), in the order the binary times them;
 #: those the CPU cannot run are left out of its line.
@@ -55,12 +47,7 @@ def main(argv=None) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         binary = pathlib.Path(tmp) / "encoder_speed"
-        cxx = os.environ.get("CXX", "g++")
-        subprocess.run(
-            [cxx, *FLAGS, "-Wno-attributes", f"-I{jax.ffi.include_dir()}",
-             str(HERE / "encoder_speed.cc"), "-o", str(binary)],
-            check=True,
-        )  # fmt: skip
+        C.build_kernel_harness(HERE / "encoder_speed.cc", binary)
         results = []
         for signed in (True, False):
             table = pathlib.Path(tmp) / f"table_{signed}.bin"
@@ -72,8 +59,8 @@ def main(argv=None) -> list[dict]:
             )  # fmt: skip
             results.append(json.loads(out.stdout))
     env = {"cpu": C.machine_info().get("cpu"), "load_average_at_start": C.load_average(),
-           "compiler": cxx, "flags": FLAGS, "repeats": args.repeats}  # fmt: skip
-    print(f"CPU: {env['cpu']}; {cxx} {' '.join(FLAGS)}")
+           "compiler": C.compiler(), "flags": C.KERNEL_FLAGS, "repeats": args.repeats}  # fmt: skip
+    print(f"CPU: {env['cpu']}; {env['compiler']} {' '.join(env['flags'])}")
     columns = [(key, label) for key, label in ENCODERS if any(f"{key}_ns" in r for r in results)]
     print(
         "| map | "

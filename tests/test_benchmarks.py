@@ -4,6 +4,7 @@
 measured by the benchmarks and written up in ``docs/``, never asserted here.
 """
 
+import contextlib
 import importlib.util
 import pathlib
 import sys
@@ -13,18 +14,38 @@ import pytest
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.fixture(scope="module")
-def state_memory():
-    sys.path.insert(0, str(BENCHMARKS))  # for its `import _common`
+@contextlib.contextmanager
+def _benchmarks_on_path():
+    """``benchmarks/`` on ``sys.path`` (for the scripts' ``import _common``)."""
+    sys.path.insert(0, str(BENCHMARKS))
     try:
-        spec = importlib.util.spec_from_file_location(
-            "state_memory_bench", BENCHMARKS / "state_memory.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
+        yield
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+def _load(name: str):
+    """The benchmark ``benchmarks/{name}.py`` as a module."""
+    with _benchmarks_on_path():
+        spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+
+@pytest.fixture(scope="module")
+def state_memory():
+    with _benchmarks_on_path():  # state_memory imports _common when it runs, too
+        yield _load("state_memory")
+
+
+def _needs_compiler():
+    """Skips (named) where there is no C++ compiler, which the kernel needs too."""
+    import os
+    import shutil
+
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler to build the kernel's harness with")
 
 
 @pytest.mark.parametrize(
@@ -90,26 +111,39 @@ def test_encoder_speed_runs_every_encoder_the_cpu_has():
     """`benchmarks/encoder_speed.py` builds the kernel's encoders with the package's flags and
     times each one the CPU can run; it exits with an error if their codes differ (here at one
     pass over the inputs). Skipped without a C++ compiler, which the kernel needs too."""
-    import os
-    import shutil
-
     from optax_decoupled import cpu_kernel
 
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
-        pytest.skip("no C++ compiler to build the encoders with")
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "encoder_speed_bench", BENCHMARKS / "encoder_speed.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        results = module.main(["--repeats", "1"])
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    _needs_compiler()
+    with _benchmarks_on_path():
+        results = _load("encoder_speed").main(["--repeats", "1"])
     assert [r["map"] for r in results] == ["signed", "unsigned"]
     for r in results:
         assert r["same_codes"] is True
         if cpu_kernel.available():  # the kernel's own choice, from the same CPU checks
             assert ("avx512_ns" in r) == cpu_kernel.uses_avx512()
             assert ("vbmi_ns" in r) == cpu_kernel.uses_avx512_vbmi()
+
+
+def test_kernel_pipeline_times_both_ways_of_the_output(capsys):
+    """`benchmarks/kernel_pipeline.py` builds the kernel's block functions with the package's
+    flags and runs AdamW's per-block work both ways (Adam's output as a pass of its own, and
+    inside the moments' passes) for 3 steps; it exits with an error if their codes, scales or
+    outputs differ. Where the CPU has no AVX-512 VBMI it says so and times nothing. Skipped
+    without a C++ compiler, which the kernel needs too."""
+    from optax_decoupled import cpu_kernel
+
+    _needs_compiler()
+    module = _load("kernel_pipeline")
+    with _benchmarks_on_path():
+        result = module.main(["--repeats", "3"])
+    out = capsys.readouterr().out
+    if cpu_kernel.available():  # the kernel's own choice, from the same CPU checks
+        assert result["vbmi"] == cpu_kernel.uses_avx512_vbmi()
+    if result["vbmi"]:
+        assert result["same_results"] is True and result["steps"] == 3
+        assert result["separate_ns"] > 0 and result["in_passes_ns"] > 0
+        assert "| output as a pass of its own (ns/element) |" in out
+    else:
+        assert "has no AVX-512 VBMI" in out
+    with pytest.raises(SystemExit):
+        module.main(["--repeats", "0"])

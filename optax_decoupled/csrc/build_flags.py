@@ -1,9 +1,9 @@
 """The compiler flags of the C++ CPU kernel, in one place.
 
 Read (not imported: the package may not be importable while it is being built) by
-``setup.py``, which builds ``requantize_cpu.cc`` with them, and by
-``benchmarks/encoder_speed.py``, which compiles the kernel's encoders the same way. Plain
-data: no imports.
+``setup.py``, which builds ``requantize_cpu.cc`` with them, and by the benchmarks' C++
+harnesses (``benchmarks/_common.py``: ``encoder_speed``, ``kernel_pipeline``), which include
+the kernel's source and compile it the same way. Plain data: no imports.
 """
 
 #: Always passed. Neither ``-fno-math-errno`` nor ``-fno-trapping-math`` changes a result (no

@@ -106,6 +106,53 @@ inline float FloatOf(uint32_t u) {
   return x;
 }
 
+// The transform's output, computed from the block's new float32 moments as the transform
+// computes it in XLA (out_mode, below): Adam's
+//   u = n / (sqrt(d + eps_root) + eps),  n = mu [* 1/bc1],  d = den [* 1/bc2]
+// with den the new nu (Adam) or nu_max (AMSGrad), and the bias corrections applied as
+// multiplications by their float32 reciprocals, as XLA:CPU compiles a division by a scalar
+// (measured: docs/memory.md); sqrt and the last division are IEEE, as XLA's. In two parts,
+// each rounded as the whole is: the denominator sqrt(d + eps_root) + eps from den, then the
+// quotient from mu (the VBMI passes compute them in different passes: AdamPart, below).
+struct AdamCoefficients {
+  int scale_num;
+  float inv_bc1;
+  int scale_den;
+  float inv_bc2;
+  float eps;
+  float eps_root;
+};
+
+inline float AdamDenominator(const AdamCoefficients& a, float den) {
+  const float d = a.scale_den ? den * a.inv_bc2 : den;
+  return std::sqrt(d + a.eps_root) + a.eps;
+}
+
+inline float AdamQuotient(const AdamCoefficients& a, float mu, float denominator) {
+  const float n = a.scale_num ? mu * a.inv_bc1 : mu;
+  return n / denominator;
+}
+
+// Adam's output in two of the VBMI passes (StoresDenominator, StoresQuotient, below).
+struct AdamPart {
+  enum Role { kNone, kDenominator, kQuotient } role;
+  AdamCoefficients a;
+  float* denominator;  // the block's, written by kDenominator and read by kQuotient
+  float* out;          // the block's output (kQuotient), possibly g's own buffer
+};
+
+// `part`'s role for elements [begin, end) of the block, whose moment values are `values`
+// (the passes' tails, after the AVX-512 functions computed them).
+inline void AdamPartTail(const AdamPart& part, const float* values, int begin, int end) {
+  for (int i = begin; i < end; ++i) {
+    if (part.role == AdamPart::kDenominator) {
+      part.denominator[i] = AdamDenominator(part.a, values[i]);
+    } else if (part.role == AdamPart::kQuotient) {
+      part.out[i] = AdamQuotient(part.a, values[i], part.denominator[i]);
+    }
+  }
+}
+
 // out[i] = c_in * g[i]^power + c_keep * (qmap[codes[i]] * absmax), as jnp computes
 // `(1 - b) * g + b * m`; zero past `valid` (the padded tail of the last block).
 OD_CLONES void EmaBlock(const float* __restrict g, const uint8_t* __restrict codes,
@@ -382,31 +429,85 @@ struct MaxValue {  // max(old, seen [/ divisor]), NaN-propagating, as MaxBlock
   }
 };
 
+// Adam's output (out_mode 1) spread over the VBMI passes instead of a pass of its own: the
+// pass of its denominator's moment (nu, or AMSGrad's nu_max) stores sqrt(d + eps_root) + eps
+// for each element (kDenominator), and mu's pass, run after it, stores the output, mu's
+// value over that (kQuotient). The square root and the division (about 10 and 6 cycles per
+// 16 elements in a Zen 4's divider, measured) then run beside the passes' byte permutes, where
+// the separate pass (AdamOutBlock) waited on the divider alone: the 8-bit pipeline took 10%
+// less time per element (docs/memory.md, nineteenth session). The values are AdamOutValue's,
+// operation by operation.
+template <typename Value>
+struct StoresDenominator {  // value(old, i) (the moment), also storing its denominator
+  const Value& value;
+  const AdamPart& part;
+  OD_AVX512_VBMI __m512 operator()(__m512 old, int i) const {
+    const __m512 v = value(old, i);
+    const AdamCoefficients& a = part.a;
+    const __m512 d = a.scale_den ? _mm512_mul_ps(v, _mm512_set1_ps(a.inv_bc2)) : v;
+    const __m512 r = _mm512_sqrt_ps(_mm512_add_ps(d, _mm512_set1_ps(a.eps_root)));
+    _mm512_storeu_ps(part.denominator + i, _mm512_add_ps(r, _mm512_set1_ps(a.eps)));
+    return v;
+  }
+};
+
+template <typename Value>
+struct StoresQuotient {  // value(old, i) (mu), also storing the output. After value's read of
+  const Value& value;    // g at i, so that the output may be written in g's place.
+  const AdamPart& part;
+  OD_AVX512_VBMI __m512 operator()(__m512 old, int i) const {
+    const __m512 m = value(old, i);
+    const AdamCoefficients& a = part.a;
+    const __m512 n = a.scale_num ? _mm512_mul_ps(m, _mm512_set1_ps(a.inv_bc1)) : m;
+    _mm512_storeu_ps(part.out + i, _mm512_div_ps(n, _mm512_loadu_ps(part.denominator + i)));
+    return m;
+  }
+};
+
+// VbmiPass with `part`'s role.
+template <typename Value>
+OD_AVX512_VBMI inline uint32_t VbmiPassWith(const AdamPart& part, const uint8_t* codes,
+                                            const MapPlanes& planes, float absmax, int full,
+                                            float* out, uint8_t* old_codes, const Value& value) {
+  switch (part.role) {
+    case AdamPart::kDenominator:
+      return VbmiPass(codes, planes, absmax, full, out, old_codes,
+                      StoresDenominator<Value>{value, part});
+    case AdamPart::kQuotient:
+      return VbmiPass(codes, planes, absmax, full, out, old_codes,
+                      StoresQuotient<Value>{value, part});
+    default:
+      return VbmiPass(codes, planes, absmax, full, out, old_codes, value);
+  }
+}
+
 OD_AVX512_VBMI uint32_t EmaBlockVbmi(const float* g, const uint8_t* codes, const float* qmap,
                                      const MapPlanes& planes, float absmax, float c_in,
                                      float c_keep, int power, int valid, int block, float* out,
-                                     uint8_t* old_codes) {
+                                     uint8_t* old_codes, const AdamPart& part) {
   const int full = valid - valid % 64;
   const EmaValue value{g, _mm512_set1_ps(c_in), _mm512_set1_ps(c_keep), power};
-  const uint32_t top = VbmiPass(codes, planes, absmax, full, out, old_codes, value);
+  const uint32_t top = VbmiPassWith(part, codes, planes, absmax, full, out, old_codes, value);
   // A block of whole 64s has no tail: no calls. (These empty calls, each with its setup, made
   // the 8-bit update step 10-20% slower at 1e7 on a Zen 4; docs/memory.md.)
   if (full == block) return top;
   EmaBlockAvx512(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
                  block - full, out + full);
+  AdamPartTail(part, out, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
 
 OD_AVX512_VBMI uint32_t MaxBlockVbmi(const float* seen, const uint8_t* codes, const float* qmap,
                                      const MapPlanes& planes, float absmax, int divide,
                                      float divisor, int valid, int block, float* out,
-                                     uint8_t* old_codes) {
+                                     uint8_t* old_codes, const AdamPart& part) {
   const int full = valid - valid % 64;
   const MaxValue value{seen, _mm512_set1_ps(divisor), divide};
-  const uint32_t top = VbmiPass(codes, planes, absmax, full, out, old_codes, value);
+  const uint32_t top = VbmiPassWith(part, codes, planes, absmax, full, out, old_codes, value);
   if (full == block) return top;  // no tail, no calls
   MaxBlockAvx512(seen + full, codes + full, qmap, absmax, divide, divisor, valid - full,
                  block - full, out + full);
+  AdamPartTail(part, out, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
 
@@ -1029,18 +1130,10 @@ OD_AVX2 void EncodeBlockAvx2(const float* x, float factor, float scale, float lo
 bool CpuHasAvx2() { return false; }
 #endif
 
-// The transform's output, computed from the block's new float32 moments as the transform
-// computes it in XLA (out_mode, below): Adam's
-//   u = n / (sqrt(d + eps_root) + eps),  n = mu [* 1/bc1],  d = den [* 1/bc2]
-// with den the new nu (Adam) or nu_max (AMSGrad), and the bias corrections applied as
-// multiplications by their float32 reciprocals, as XLA:CPU compiles a division by a scalar
-// (measured: docs/memory.md); sqrt and the last division are IEEE, as XLA's.
 inline float AdamOutValue(float mu, float den, int scale_num, float inv_bc1, int scale_den,
                           float inv_bc2, float eps, float eps_root) {
-  const float n = scale_num ? mu * inv_bc1 : mu;
-  const float d = scale_den ? den * inv_bc2 : den;
-  const float r = std::sqrt(d + eps_root);
-  return n / (r + eps);
+  const AdamCoefficients a{scale_num, inv_bc1, scale_den, inv_bc2, eps, eps_root};
+  return AdamQuotient(a, mu, AdamDenominator(a, den));
 }
 
 // jnp.sign of Lion's interpolation: +-1, a zero keeps its sign, NaN stays NaN.
@@ -1334,9 +1427,15 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
 #endif
   const bool fused = vbmi || avx2;
 
+  // Adam's output in the VBMI passes (AdamPart): its denominator's pass first, mu's last.
+  const bool split_out = vbmi && out_mode == 1;
+  const AdamCoefficients adam{static_cast<int>(out_scale_num), inv_bc1,
+                              static_cast<int>(out_scale_den), inv_bc2, oc[2], oc[3]};
+
   auto work = [&](int64_t task) {
     ScopedFlushDenormals flush;
-    std::vector<float> values(static_cast<size_t>(n_moments * block));
+    // The moments' values, then (split_out) the output's denominators.
+    std::vector<float> values(static_cast<size_t>((n_moments + 1) * block));
     const int64_t first = task * blocks_per_task;
     const int64_t last = std::min(n_blocks, first + blocks_per_task);
     uint32_t top[3];  // each moment's max |value| bits, when its decode computed it
@@ -1347,45 +1446,61 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
       // before the new ones, which may replace them in place: by the VBMI decode as it reads
       // the codes, else here.
       auto old_codes = [&](int64_t k) { return emit_old ? old_codes_out[k] + off : nullptr; };
-      for (int64_t k = 0; k < n_ema; ++k) {
+      // The role of moment k's pass in Adam's output, and the order of the passes.
+      [[maybe_unused]] auto part = [&](int64_t k) {
+        AdamPart::Role role = AdamPart::kNone;
+        if (split_out && k == 0) role = AdamPart::kQuotient;
+        if (split_out && k == out_den) role = AdamPart::kDenominator;
+        return AdamPart{role, adam, values.data() + n_moments * block, out_d + off};
+      };
+      auto ema_pass = [&](int64_t k) {
         float* out = values.data() + k * block;
 #if defined(OD_X86_AVX512)
         if (vbmi) {
           top[k] = EmaBlockVbmi(gd + off, codes_in[k] + off, enc[k].qmap, planes[k],
                                 absmax_in[k][blk], c[2 * k], c[2 * k + 1], powers[k], valid, b,
-                                out, old_codes(k));
-          continue;
+                                out, old_codes(k), part(k));
+          return;
         }
         if (avx2) {
           top[k] = EmaBlockAvx2(gd + off, codes_in[k] + off, enc[k].qmap, absmax_in[k][blk],
                                 c[2 * k], c[2 * k + 1], powers[k], valid, b, out, old_codes(k));
-          continue;
+          return;
         }
 #endif
         ema(gd + off, codes_in[k] + off, enc[k].qmap, absmax_in[k][blk], c[2 * k],
             c[2 * k + 1], powers[k], valid, b, out);
-      }
-      if (has_max) {
+      };
+      auto max_pass = [&]() {
         const int divide = static_cast<int>(max_divide);
         float* out = values.data() + 2 * block;
 #if defined(OD_X86_AVX512)
         if (vbmi) {
           top[2] = MaxBlockVbmi(values.data() + block, codes_in[2] + off, enc[2].qmap,
                                 planes[2], absmax_in[2][blk], divide, c[4], valid, b, out,
-                                old_codes(2));
-        } else if (avx2) {
+                                old_codes(2), part(2));
+          return;
+        }
+        if (avx2) {
           top[2] = MaxBlockAvx2(values.data() + block, codes_in[2] + off, enc[2].qmap,
                                 absmax_in[2][blk], divide, c[4], valid, b, out, old_codes(2));
-        } else
-#endif
-        {
-          running_max(values.data() + block, codes_in[2] + off, enc[2].qmap, absmax_in[2][blk],
-                      divide, c[4], valid, b, out);
+          return;
         }
+#endif
+        running_max(values.data() + block, codes_in[2] + off, enc[2].qmap, absmax_in[2][blk],
+                    divide, c[4], valid, b, out);
+      };
+      if (split_out) {  // nu, nu_max, then mu, whose pass writes the output
+        ema_pass(1);
+        if (has_max) max_pass();
+        ema_pass(0);
+      } else {
+        for (int64_t k = 0; k < n_ema; ++k) ema_pass(k);
+        if (has_max) max_pass();
       }
       // The output, after every read of g (it may be written in g's place) and before the
       // new codes replace the old (Lion's reads those).
-      if (out_mode == 1) {
+      if (out_mode == 1 && !split_out) {
         AdamOutBlock(values.data(), values.data() + out_den * block,
                      static_cast<int>(out_scale_num), inv_bc1, static_cast<int>(out_scale_den),
                      inv_bc2, oc[2], oc[3], valid, out_d + off);

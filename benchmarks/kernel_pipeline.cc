@@ -1,11 +1,11 @@
 // Times the 8-bit kernel's per-block work for AdamW (Adam's two moments and its output) on one
-// core, in cache, as RequantizeEmaImpl's AVX-512 VBMI path runs it for each block of 256:
-// decode and update mu and nu, compute the output, encode both. Two ways, side by side in one
-// run, in turns: the output as a pass of its own (AdamOutBlock, after both moments' passes: the
-// kernel's way before the nineteenth session, and still its AVX-512F, AVX2 and portable
-// paths' way) and inside the moments' passes (AdamPart: nu's pass stores the denominator,
-// mu's pass, run after it, the output). Checks that both give the same codes, scales and
-// output, bit for bit. Built and run by benchmarks/kernel_pipeline.py, which passes the maps
+// core, in cache, as RequantizeEmaImpl's AVX-512 VBMI path or its AVX2 path runs it for each
+// block of 256: decode and update mu and nu, compute the output, encode both. Two ways, side
+// by side in one run, in turns: the output as a pass of its own (AdamOutBlock, after both
+// moments' passes: those paths' way before the nineteenth session, and still the AVX-512F
+// and portable paths' way) and inside the moments' passes (AdamPart: nu's pass stores the
+// denominator, mu's pass, run after it, the output). Checks that both give the same codes,
+// scales and output, bit for bit. Built and run by benchmarks/kernel_pipeline.py, which passes the maps
 // and the encoder tables (optax_decoupled.quantization.dynamic_map,
 // optax_decoupled.cpu_kernel.encoder_table) as files. It includes the kernel's source, so it
 // times exactly the functions the kernel calls.
@@ -42,13 +42,16 @@ struct Run {  // one way's state, updated in place pass after pass
 
 }  // namespace
 
-// argv: signed table, unsigned table, signed map, unsigned map (files), repeats. Prints one
-// JSON line.
+// argv: signed table, unsigned table, signed map, unsigned map (files), repeats, path ("vbmi"
+// or "avx2"). Prints one JSON line.
 int main(int argc, char** argv) {
-  if (argc < 6) return 2;
+  if (argc < 7) return 2;
+  const std::string path = argv[6];
+  if (path != "vbmi" && path != "avx2") return 2;
 #if defined(OD_X86_AVX512)
-  if (!CpuHasAvx512Vbmi()) {
-    std::printf("{\"vbmi\": false}\n");
+  const bool vbmi = path == "vbmi";
+  if (vbmi ? !CpuHasAvx512Vbmi() : !CpuHasAvx2()) {
+    std::printf("{\"path\": \"%s\", \"available\": false}\n", path.c_str());
     return 0;
   }
   const int repeats = std::stoi(argv[5]);
@@ -62,9 +65,9 @@ int main(int argc, char** argv) {
   for (int k = 0; k < 2; ++k) {  // 0: mu (signed map), 1: nu (unsigned)
     const std::vector<int32_t>& t = tables[k];
     enc[k] = Encoder{maps[k].data(), t.data() + kHeader, t[0], t[1], t[2], t[3] ? -1.0f : 0.0f};
-    byte_tables[k] = CachedByteTable(enc[k]);
+    byte_tables[k] = vbmi ? CachedByteTable(enc[k]) : nullptr;  // the AVX2 path's: none
     planes[k] = PlanesOf(maps[k].data());
-    if (!byte_tables[k]->ok) return 3;
+    if (vbmi && !byte_tables[k]->ok) return 3;
   }
   // Gradient-like inputs; the moments start as the quantized moments of other such draws.
   std::vector<float> g(n), mu0(n), nu0(n);
@@ -81,13 +84,15 @@ int main(int argc, char** argv) {
     m->codes.resize(n);
     m->absmax.resize(n_blocks);
   }
+  // The encoder each path takes (RequantizeEmaImpl: the VBMI one where byte_tables are set).
+  const EncodeFn encode = vbmi ? EncodeBlockAvx512 : EncodeBlockAvx2;
   for (int b = 0; b < n_blocks; ++b) {
     const int off = b * block;
     QuantizeBlock(mu0.data() + off, enc[0], block, start.mu.codes.data() + off,
-                  &start.mu.absmax[b], AbsMaxBits(mu0.data() + off, block), EncodeBlockAvx512,
+                  &start.mu.absmax[b], AbsMaxBits(mu0.data() + off, block), encode,
                   byte_tables[0]);
     QuantizeBlock(nu0.data() + off, enc[1], block, start.nu.codes.data() + off,
-                  &start.nu.absmax[b], AbsMaxBits(nu0.data() + off, block), EncodeBlockAvx512,
+                  &start.nu.absmax[b], AbsMaxBits(nu0.data() + off, block), encode,
                   byte_tables[1]);
   }
   // Step 3 of AdamW's defaults: b1 = 0.9, b2 = 0.999, eps = 1e-8.
@@ -109,10 +114,14 @@ int main(int argc, char** argv) {
         uint32_t top[2];
         auto pass = [&](int k, AdamPart::Role role) {
           const AdamPart part{role, adam, values.data() + 2 * block, run.out.data() + off};
-          top[k] = EmaBlockVbmi(g.data() + off, moments[k]->codes.data() + off,
-                                maps[k].data(), planes[k], moments[k]->absmax[b], c_in[k],
-                                c_keep[k], powers[k], block, block, values.data() + k * block,
-                                nullptr, part);
+          const uint8_t* codes = moments[k]->codes.data() + off;
+          float* out = values.data() + k * block;
+          top[k] = vbmi ? EmaBlockVbmi(g.data() + off, codes, maps[k].data(), planes[k],
+                                       moments[k]->absmax[b], c_in[k], c_keep[k], powers[k],
+                                       block, block, out, nullptr, part)
+                        : EmaBlockAvx2(g.data() + off, codes, maps[k].data(),
+                                       moments[k]->absmax[b], c_in[k], c_keep[k], powers[k],
+                                       block, block, out, nullptr, part);
         };
         if (way == 0) {
           pass(0, AdamPart::kNone);
@@ -127,7 +136,7 @@ int main(int argc, char** argv) {
         for (int k = 0; k < 2; ++k) {
           QuantizeBlock(values.data() + k * block, enc[k], block,
                         moments[k]->codes.data() + off, &moments[k]->absmax[b], top[k],
-                        EncodeBlockAvx512, byte_tables[k]);
+                        encode, byte_tables[k]);
         }
       }
       const auto t1 = std::chrono::steady_clock::now();
@@ -138,14 +147,15 @@ int main(int argc, char** argv) {
                     runs[0].mu.absmax == runs[1].mu.absmax &&
                     runs[0].nu.codes == runs[1].nu.codes &&
                     runs[0].nu.absmax == runs[1].nu.absmax && runs[0].out == runs[1].out;
-  std::printf("{\"vbmi\": true, \"elements\": %d, \"block\": %d, \"steps\": %d", n, block,
-              repeats);
+  std::printf("{\"path\": \"%s\", \"available\": true, \"elements\": %d, \"block\": %d, "
+              "\"steps\": %d",
+              path.c_str(), n, block, repeats);
   for (int way = 0; way < 2; ++way) {
     std::printf(", \"%s_ns\": %.4f", names[way], best[way] * 1e9 / n);
   }
   std::printf(", \"same_results\": %s}\n", same ? "true" : "false");
 #else
-  std::printf("{\"vbmi\": false}\n");
+  std::printf("{\"path\": \"%s\", \"available\": false}\n", path.c_str());
 #endif
   return 0;
 }

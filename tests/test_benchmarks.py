@@ -124,26 +124,29 @@ def test_encoder_speed_runs_every_encoder_the_cpu_has():
             assert ("vbmi_ns" in r) == cpu_kernel.uses_avx512_vbmi()
 
 
-def test_kernel_pipeline_times_both_ways_of_the_output(capsys):
+@pytest.mark.parametrize("path", ["vbmi", "avx2"])
+def test_kernel_pipeline_times_both_ways_of_the_output(path, capsys):
     """`benchmarks/kernel_pipeline.py` builds the kernel's block functions with the package's
-    flags and runs AdamW's per-block work both ways (Adam's output as a pass of its own, and
-    inside the moments' passes) for 3 steps; it exits with an error if their codes, scales or
-    outputs differ. Where the CPU has no AVX-512 VBMI it says so and times nothing. Skipped
-    without a C++ compiler, which the kernel needs too."""
+    flags and runs AdamW's per-block work on one of the kernel's paths both ways (Adam's
+    output as a pass of its own, and inside the moments' passes) for 3 steps; it exits with
+    an error if their codes, scales or outputs differ. Where the CPU cannot run the path it
+    says so and times nothing. Skipped without a C++ compiler, which the kernel needs too."""
     from optax_decoupled import cpu_kernel
 
     _needs_compiler()
     module = _load("kernel_pipeline")
     with _benchmarks_on_path():
-        result = module.main(["--repeats", "3"])
+        result = module.main(["--path", path, "--repeats", "3"])
     out = capsys.readouterr().out
-    if cpu_kernel.available():  # the kernel's own choice, from the same CPU checks
-        assert result["vbmi"] == cpu_kernel.uses_avx512_vbmi()
-    if result["vbmi"]:
+    if cpu_kernel.available():  # the kernel's own paths, from the same CPU checks
+        runs = {"vbmi": cpu_kernel.uses_avx512_vbmi(), "avx2": "avx2" in cpu_kernel.decode_paths()}
+        assert result["available"] == runs[path]
+    assert result["path"] == path
+    if result["available"]:
         assert result["same_results"] is True and result["steps"] == 3
         assert result["separate_ns"] > 0 and result["in_passes_ns"] > 0
         assert "| output as a pass of its own (ns/element) |" in out
     else:
-        assert "has no AVX-512 VBMI" in out
+        assert "the kernel's" in out and "path does not run" in out
     with pytest.raises(SystemExit):
         module.main(["--repeats", "0"])

@@ -10,9 +10,9 @@
 // EncodeBlockAvx512), picked at run time on CPUs that have them; everything else is
 // portable C++ that the compiler vectorizes (target clones for AVX-512, AVX2 and baseline
 // x86-64). With out_mode it also computes the transform's output (Adam's, AMSGrad's or
-// Lion's, AdamOutBlock/LionOutBlock) from each block's new float32 moments, before they are
-// quantized, and writes it to its own result, which the caller aliases with the gradient
-// or not. A second handler, OdEmaBf16 (at the end), does the same moving averages on moments
+// Lion's, AdamOutBlock/LionOutBlock; Adam's inside the moments' passes on the VBMI and AVX2
+// paths, AdamPart) from each block's new float32 moments, before they are quantized, and
+// writes it to its own result, which the caller aliases with the gradient or not. A second handler, OdEmaBf16 (at the end), does the same moving averages on moments
 // stored in bfloat16, with the same optional output.
 //
 // With the attribute n_after = 1 both take one more operand after the moments, which they
@@ -113,7 +113,7 @@ inline float FloatOf(uint32_t u) {
 // multiplications by their float32 reciprocals, as XLA:CPU compiles a division by a scalar
 // (measured: docs/memory.md); sqrt and the last division are IEEE, as XLA's. In two parts,
 // each rounded as the whole is: the denominator sqrt(d + eps_root) + eps from den, then the
-// quotient from mu (the VBMI passes compute them in different passes: AdamPart, below).
+// quotient from mu (the VBMI and AVX2 paths compute them in different passes: AdamPart).
 struct AdamCoefficients {
   int scale_num;
   float inv_bc1;
@@ -133,7 +133,8 @@ inline float AdamQuotient(const AdamCoefficients& a, float mu, float denominator
   return n / denominator;
 }
 
-// Adam's output in two of the VBMI passes (StoresDenominator, StoresQuotient, below).
+// Adam's output in two of the VBMI or AVX2 passes (StoresDenominator, StoresQuotient and
+// their 8-element versions, below).
 struct AdamPart {
   enum Role { kNone, kDenominator, kQuotient } role;
   AdamCoefficients a;
@@ -434,9 +435,10 @@ struct MaxValue {  // max(old, seen [/ divisor]), NaN-propagating, as MaxBlock
 // for each element (kDenominator), and mu's pass, run after it, stores the output, mu's
 // value over that (kQuotient). The square root and the division (about 10 and 6 cycles per
 // 16 elements in a Zen 4's divider, measured) then run beside the passes' byte permutes, where
-// the separate pass (AdamOutBlock) waited on the divider alone: the 8-bit pipeline took 10%
-// less time per element (docs/memory.md, nineteenth session). The values are AdamOutValue's,
-// operation by operation.
+// the separate pass (AdamOutBlock) waited on the divider alone: the per-block work took 9-10%
+// less time (benchmarks/kernel_pipeline.py; docs/memory.md, nineteenth session). The AVX2
+// path does the same (StoresDenominator8, below). The values are AdamOutValue's, operation by
+// operation.
 template <typename Value>
 struct StoresDenominator {  // value(old, i) (the moment), also storing its denominator
   const Value& value;
@@ -1031,30 +1033,80 @@ struct MaxValue8 {  // max(old, seen [/ divisor]), NaN-propagating, as MaxBlock
   }
 };
 
+// StoresDenominator and StoresQuotient (the VBMI passes' AdamPart roles) for 8 elements. On
+// the Zen 4, which runs this path only in tests and benchmarks, the per-block work took 1.3%
+// less time than with AdamOutBlock's pass (benchmarks/kernel_pipeline.py --path avx2: the
+// decode's scalar loads, not the divider, bound it); not measured on a CPU that runs it.
+template <typename Value>
+struct StoresDenominator8 {
+  const Value& value;
+  const AdamPart& part;
+  OD_AVX2 __m256 operator()(__m256 old, int i) const {
+    const __m256 v = value(old, i);
+    const AdamCoefficients& a = part.a;
+    const __m256 d = a.scale_den ? _mm256_mul_ps(v, _mm256_set1_ps(a.inv_bc2)) : v;
+    const __m256 r = _mm256_sqrt_ps(_mm256_add_ps(d, _mm256_set1_ps(a.eps_root)));
+    _mm256_storeu_ps(part.denominator + i, _mm256_add_ps(r, _mm256_set1_ps(a.eps)));
+    return v;
+  }
+};
+
+template <typename Value>
+struct StoresQuotient8 {
+  const Value& value;
+  const AdamPart& part;
+  OD_AVX2 __m256 operator()(__m256 old, int i) const {
+    const __m256 m = value(old, i);
+    const AdamCoefficients& a = part.a;
+    const __m256 n = a.scale_num ? _mm256_mul_ps(m, _mm256_set1_ps(a.inv_bc1)) : m;
+    _mm256_storeu_ps(part.out + i, _mm256_div_ps(n, _mm256_loadu_ps(part.denominator + i)));
+    return m;
+  }
+};
+
+template <typename Value>
+OD_AVX2 inline uint32_t Avx2PassWith(const AdamPart& part, const uint8_t* codes,
+                                     const float* qmap, float absmax, int full, float* out,
+                                     uint8_t* old_codes, const Value& value) {
+  switch (part.role) {
+    case AdamPart::kDenominator:
+      return Avx2Pass(codes, qmap, absmax, full, out, old_codes,
+                      StoresDenominator8<Value>{value, part});
+    case AdamPart::kQuotient:
+      return Avx2Pass(codes, qmap, absmax, full, out, old_codes,
+                      StoresQuotient8<Value>{value, part});
+    default:
+      return Avx2Pass(codes, qmap, absmax, full, out, old_codes, value);
+  }
+}
+
 // EmaBlock and MaxBlock as one pass each (above), with the old codes' copy and the block's
 // max |value| bits; the rest of the block (`valid` not a multiple of 32, and the padding)
 // through the portable function, AbsMaxBits and memcpy.
 OD_AVX2 uint32_t EmaBlockAvx2(const float* g, const uint8_t* codes, const float* qmap,
                               float absmax, float c_in, float c_keep, int power, int valid,
-                              int block, float* out, uint8_t* old_codes) {
+                              int block, float* out, uint8_t* old_codes,
+                              const AdamPart& part) {
   const int full = valid - valid % 32;
   const EmaValue8 value{g, _mm256_set1_ps(c_in), _mm256_set1_ps(c_keep), power};
-  const uint32_t top = Avx2Pass(codes, qmap, absmax, full, out, old_codes, value);
+  const uint32_t top = Avx2PassWith(part, codes, qmap, absmax, full, out, old_codes, value);
   if (full == block) return top;  // no tail, no calls
   EmaBlock(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
            block - full, out + full);
+  AdamPartTail(part, out, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
 
 OD_AVX2 uint32_t MaxBlockAvx2(const float* seen, const uint8_t* codes, const float* qmap,
                               float absmax, int divide, float divisor, int valid, int block,
-                              float* out, uint8_t* old_codes) {
+                              float* out, uint8_t* old_codes, const AdamPart& part) {
   const int full = valid - valid % 32;
   const MaxValue8 value{seen, _mm256_set1_ps(divisor), divide};
-  const uint32_t top = Avx2Pass(codes, qmap, absmax, full, out, old_codes, value);
+  const uint32_t top = Avx2PassWith(part, codes, qmap, absmax, full, out, old_codes, value);
   if (full == block) return top;  // no tail, no calls
   MaxBlock(seen + full, codes + full, qmap, absmax, divide, divisor, valid - full,
            block - full, out + full);
+  AdamPartTail(part, out, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
 
@@ -1427,8 +1479,9 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
 #endif
   const bool fused = vbmi || avx2;
 
-  // Adam's output in the VBMI passes (AdamPart): its denominator's pass first, mu's last.
-  const bool split_out = vbmi && out_mode == 1;
+  // Adam's output in the VBMI or AVX2 passes (AdamPart): its denominator's pass first, mu's
+  // last.
+  const bool split_out = fused && out_mode == 1;
   const AdamCoefficients adam{static_cast<int>(out_scale_num), inv_bc1,
                               static_cast<int>(out_scale_den), inv_bc2, oc[2], oc[3]};
 
@@ -1464,7 +1517,8 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
         }
         if (avx2) {
           top[k] = EmaBlockAvx2(gd + off, codes_in[k] + off, enc[k].qmap, absmax_in[k][blk],
-                                c[2 * k], c[2 * k + 1], powers[k], valid, b, out, old_codes(k));
+                                c[2 * k], c[2 * k + 1], powers[k], valid, b, out, old_codes(k),
+                                part(k));
           return;
         }
 #endif
@@ -1483,7 +1537,8 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
         }
         if (avx2) {
           top[2] = MaxBlockAvx2(values.data() + block, codes_in[2] + off, enc[2].qmap,
-                                absmax_in[2][blk], divide, c[4], valid, b, out, old_codes(2));
+                                absmax_in[2][blk], divide, c[4], valid, b, out, old_codes(2),
+                                part(2));
           return;
         }
 #endif

@@ -1,11 +1,13 @@
 // Times the 8-bit kernel's per-block work for AdamW (Adam's two moments and its output) on one
-// core, in cache, as RequantizeEmaImpl's AVX-512 VBMI path or its AVX2 path runs it for each
+// core, in cache, as RequantizeEmaImpl's AVX-512 VBMI, AVX-512F or AVX2 path runs it for each
 // block of 256: decode and update mu and nu, compute the output, encode both. Two ways, side
 // by side in one run, in turns: the output as a pass of its own (AdamOutBlock, after both
-// moments' passes: those paths' way before the nineteenth session, and still the AVX-512F
-// and portable paths' way) and inside the moments' passes (AdamPart: nu's pass stores the
-// denominator, mu's pass, run after it, the output). Checks that both give the same codes,
-// scales and output, bit for bit. Built and run by benchmarks/kernel_pipeline.py, which passes the maps
+// moments' passes: the VBMI and AVX2 paths' way before the nineteenth session, and still the
+// portable path's) and inside the moments' passes (AdamPart: nu's pass stores the
+// denominator, mu's pass, run after it, the output). On the AVX-512F path the first way is
+// that path's code before the twenty-first session: the moments' passes without the block
+// max (AbsMaxBits, a pass of its own) and the output in a pass of its own. Checks that both
+// ways give the same codes, scales and output, bit for bit. Built and run by benchmarks/kernel_pipeline.py, which passes the maps
 // and the encoder tables (optax_decoupled.quantization.dynamic_map,
 // optax_decoupled.cpu_kernel.encoder_table) as files. It includes the kernel's source, so it
 // times exactly the functions the kernel calls.
@@ -42,15 +44,15 @@ struct Run {  // one way's state, updated in place pass after pass
 
 }  // namespace
 
-// argv: signed table, unsigned table, signed map, unsigned map (files), repeats, path ("vbmi"
-// or "avx2"). Prints one JSON line.
+// argv: signed table, unsigned table, signed map, unsigned map (files), repeats, path ("vbmi",
+// "avx512f" or "avx2"). Prints one JSON line.
 int main(int argc, char** argv) {
   if (argc < 7) return 2;
   const std::string path = argv[6];
-  if (path != "vbmi" && path != "avx2") return 2;
+  if (path != "vbmi" && path != "avx512f" && path != "avx2") return 2;
 #if defined(OD_X86_AVX512)
-  const bool vbmi = path == "vbmi";
-  if (vbmi ? !CpuHasAvx512Vbmi() : !CpuHasAvx2()) {
+  const bool vbmi = path == "vbmi", avx512 = path == "avx512f";
+  if (vbmi ? !CpuHasAvx512Vbmi() : avx512 ? !CpuHasAvx512() : !CpuHasAvx2()) {
     std::printf("{\"path\": \"%s\", \"available\": false}\n", path.c_str());
     return 0;
   }
@@ -65,7 +67,7 @@ int main(int argc, char** argv) {
   for (int k = 0; k < 2; ++k) {  // 0: mu (signed map), 1: nu (unsigned)
     const std::vector<int32_t>& t = tables[k];
     enc[k] = Encoder{maps[k].data(), t.data() + kHeader, t[0], t[1], t[2], t[3] ? -1.0f : 0.0f};
-    byte_tables[k] = vbmi ? CachedByteTable(enc[k]) : nullptr;  // the AVX2 path's: none
+    byte_tables[k] = vbmi ? CachedByteTable(enc[k]) : nullptr;  // the others': none
     planes[k] = PlanesOf(maps[k].data());
     if (vbmi && !byte_tables[k]->ok) return 3;
   }
@@ -85,7 +87,7 @@ int main(int argc, char** argv) {
     m->absmax.resize(n_blocks);
   }
   // The encoder each path takes (RequantizeEmaImpl: the VBMI one where byte_tables are set).
-  const EncodeFn encode = vbmi ? EncodeBlockAvx512 : EncodeBlockAvx2;
+  const EncodeFn encode = vbmi || avx512 ? EncodeBlockAvx512 : EncodeBlockAvx2;
   for (int b = 0; b < n_blocks; ++b) {
     const int off = b * block;
     QuantizeBlock(mu0.data() + off, enc[0], block, start.mu.codes.data() + off,
@@ -116,12 +118,22 @@ int main(int argc, char** argv) {
           const AdamPart part{role, adam, values.data() + 2 * block, run.out.data() + off};
           const uint8_t* codes = moments[k]->codes.data() + off;
           float* out = values.data() + k * block;
-          top[k] = vbmi ? EmaBlockVbmi(g.data() + off, codes, maps[k].data(), planes[k],
-                                       moments[k]->absmax[b], c_in[k], c_keep[k], powers[k],
-                                       block, block, out, nullptr, part)
-                        : EmaBlockAvx2(g.data() + off, codes, maps[k].data(),
-                                       moments[k]->absmax[b], c_in[k], c_keep[k], powers[k],
-                                       block, block, out, nullptr, part);
+          const float a = moments[k]->absmax[b];
+          if (avx512 && way == 0) {  // the AVX-512F path before: the block max a pass of its own
+            EmaBlockAvx512(g.data() + off, codes, maps[k].data(), a, c_in[k], c_keep[k],
+                           powers[k], block, block, out);
+            top[k] = AbsMaxBits(out, block);
+            return;
+          }
+          top[k] = vbmi     ? EmaBlockVbmi(g.data() + off, codes, maps[k].data(), planes[k], a,
+                                           c_in[k], c_keep[k], powers[k], block, block, out,
+                                           nullptr, part)
+                   : avx512 ? EmaBlockAvx512Pass(g.data() + off, codes, maps[k].data(), a,
+                                                 c_in[k], c_keep[k], powers[k], block, block,
+                                                 out, nullptr, part)
+                            : EmaBlockAvx2(g.data() + off, codes, maps[k].data(), a, c_in[k],
+                                           c_keep[k], powers[k], block, block, out, nullptr,
+                                           part);
         };
         if (way == 0) {
           pass(0, AdamPart::kNone);

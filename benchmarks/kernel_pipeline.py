@@ -2,22 +2,25 @@
 
 Compiles ``benchmarks/kernel_pipeline.cc`` (which includes the kernel's source,
 ``optax_decoupled/csrc/requantize_cpu.cc``) with the flags ``setup.py`` builds the kernel
-with and runs what one of the kernel's paths (``--path``: the AVX-512 VBMI one, default, or
-the AVX2 one) does for each block of 256 elements of an AdamW update with its output (the
-gradient an argument of the step, or a training step): decode and update mu and nu, compute
-Adam's output, encode both moments. Two ways, side by side in one run, in turns:
-``separate``, the output as a pass of its own after the moments' (``AdamOutBlock``; those
-paths' way before 2026-12-06's nineteenth session, and still the AVX-512F and portable
-paths'), and ``in_passes``, nu's pass storing the output's denominator and mu's pass, run
-after it, the output (``AdamPart``, their way now). Prints nanoseconds per element for each
-(one core, 128 KiB of gradient-like inputs, best of ``--repeats`` steps) and whether their
-codes, scales and outputs agree bit for bit.
+with and runs what one of the kernel's paths (``--path``: the AVX-512 VBMI one, default, the
+AVX-512F one or the AVX2 one) does for each block of 256 elements of an AdamW update with
+its output (the gradient an argument of the step, or a training step): decode and update mu
+and nu, compute Adam's output, encode both moments. Two ways, side by side in one run, in
+turns: ``separate``, the output as a pass of its own after the moments' (``AdamOutBlock``;
+the VBMI and AVX2 paths' way before 2026-12-06's nineteenth session, and still the portable
+path's), and ``in_passes``, nu's pass storing the output's denominator and mu's pass, run
+after it, the output (``AdamPart``, their way now). On the AVX-512F path ``separate`` is
+that path's code before the twenty-first session, whose moments' passes also left each
+block's max to a pass of its own (``AbsMaxBits``); ``in_passes`` is its code now. Prints
+nanoseconds per element for each (one core, 128 KiB of gradient-like inputs, best of
+``--repeats`` steps) and whether their codes, scales and outputs agree bit for bit.
 
-    python benchmarks/kernel_pipeline.py [--path vbmi|avx2] [--repeats 300] [--json out.json]
+    python benchmarks/kernel_pipeline.py [--path vbmi|avx512f|avx2] [--repeats 300]
+    python benchmarks/kernel_pipeline.py --path avx512f --json out.json
 
 Needs a C++ compiler (``CXX``, default ``g++``), jax (for the XLA FFI headers) and an x86-64
-CPU with the path's instructions (AVX-512 VBMI and VBMI2, or AVX2); elsewhere it says so and
-times nothing.
+CPU with the path's instructions (AVX-512 VBMI and VBMI2, AVX-512F, or AVX2); elsewhere it
+says so and times nothing.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ from optax_decoupled import cpu_kernel, quantization
 
 HERE = pathlib.Path(__file__).parent
 
-#: The kernel's paths the harness runs: the AVX-512 VBMI decode and encoder, and the AVX2 ones.
-PATHS = ("vbmi", "avx2")
+#: The kernel's paths the harness runs: the AVX-512 VBMI decode and encoder, the AVX-512F
+#: register-permute decode and gather encoder, and the AVX2 ones.
+PATHS = ("vbmi", "avx512f", "avx2")
 #: What each needs.
-NEEDS = {"vbmi": "AVX-512 VBMI and VBMI2", "avx2": "AVX2"}
+NEEDS = {"vbmi": "AVX-512 VBMI and VBMI2", "avx512f": "AVX-512F", "avx2": "AVX2"}
 #: The two ways (the JSON's ``{key}_ns``), in the order the binary times them.
 WAYS = [("separate", "output as a pass of its own"), ("in_passes", "output in the passes")]
 

@@ -48,6 +48,7 @@ writes a copy of the old codes instead of the output even in a training step).
     python benchmarks/state_memory.py --step train --dtypes int8
     python benchmarks/state_memory.py --step train --wrap apply_if_finite --dtypes int8
     python benchmarks/state_memory.py --sizes 2e7 --leaves 20   # 20 matrices of 1e6
+    python benchmarks/state_memory.py --decode avx512f   # the 8-bit kernel's AVX-512F path
 
 Targets (issue 6): int8 state <= 0.27x float32 for large tensors; step time <= 1.5x float32.
 """
@@ -280,6 +281,14 @@ def main(argv=None) -> list[dict]:
         default="none",
         help="wrap every program's transform in optax.apply_if_finite(tx, 3) (default: none)",
     )
+    parser.add_argument(
+        "--decode",
+        choices=tuple(cpu_kernel._DECODE_LIMITS),
+        default="best",
+        help="the 8-bit kernel's path: the best this CPU has (default), or at most the AVX-512F, "
+        "AVX2 or portable one (optax_decoupled.cpu_kernel.DECODE), e.g. to time a Skylake-class "
+        "CPU's path on a CPU with AVX-512 VBMI",
+    )
     args = parser.parse_args(argv)
     if args.block < 2 and args.rotation == "blocks":
         parser.error("--block must be at least 2 (the first step of each block is not counted)")
@@ -290,6 +299,7 @@ def main(argv=None) -> list[dict]:
         shapes.append((max(1, round(n / args.leaves / 1024)), 1024))
         if args.ragged:
             shapes.append((max(1, round(n / args.leaves / 1000)), 1000))
+    cpu_kernel.DECODE = args.decode  # read when each program is traced
     load_at_start = C.load_average()
     machine = C.machine_info()
     env = {
@@ -314,6 +324,7 @@ def main(argv=None) -> list[dict]:
         "cpu_kernel": cpu_kernel.available(),
         "cpu_kernel_avx512": cpu_kernel.uses_avx512(),
         "cpu_kernel_avx512_vbmi": cpu_kernel.uses_avx512_vbmi(),
+        "decode": args.decode,
     }
     results = []
     for shape in shapes:
@@ -337,7 +348,9 @@ def main(argv=None) -> list[dict]:
     print(f"jax {env['jax']} on {env['backend']} ({env['device']}, {env['cpu_count']} CPUs)")
     print(f"CPU: {env['cpu']}; load average at the start: {env['load_average_at_start']}")
     kernel = "built" if env["cpu_kernel"] else f"not available: {cpu_kernel.unavailable_reason()}"
-    if env["cpu_kernel_avx512_vbmi"]:
+    if args.decode != "best":
+        kernel += f" (8-bit kernel limited to its {args.decode} path: --decode {args.decode})"
+    elif env["cpu_kernel_avx512_vbmi"]:
         kernel += " (AVX-512 VBMI decode)"
     elif env["cpu_kernel_avx512"]:
         kernel += " (AVX-512 decode)"

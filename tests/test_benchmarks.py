@@ -6,6 +6,7 @@ measured by the benchmarks and written up in ``docs/``, never asserted here.
 
 import contextlib
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -99,6 +100,23 @@ def test_state_memory_splits_the_parameters_into_leaves(state_memory, kind, caps
     assert "--leaves must be at least 1" in capsys.readouterr().err
 
 
+def test_state_memory_limits_the_kernel_path(state_memory, tmp_path, monkeypatch, capsys):
+    """``--decode P`` times the 8-bit kernel's path ``P`` (``cpu_kernel.DECODE``, read when the
+    programs are traced) and records it."""
+    from optax_decoupled import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "DECODE", "best")  # restored after the test
+    out_json = tmp_path / "out.json"
+    args = ["--sizes", "8192", "--dtypes", "int8", "--repeats", "1", "--block", "2"]
+    state_memory.main([*args, "--decode", "portable", "--json", str(out_json)])
+    assert cpu_kernel.DECODE == "portable"
+    assert json.loads(out_json.read_text())["env"]["decode"] == "portable"
+    assert "8-bit kernel limited to its portable path" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        state_memory.main([*args, "--decode", "sse"])
+    assert "invalid choice: 'sse'" in capsys.readouterr().err
+
+
 def test_state_memory_refuses_blocks_of_one_step(state_memory, capsys):
     with pytest.raises(ValueError, match="block"):
         state_memory.bench_size((8, 1024), 1, "blocks", ("float32", "int8"), "update", 1)
@@ -124,7 +142,7 @@ def test_encoder_speed_runs_every_encoder_the_cpu_has():
             assert ("vbmi_ns" in r) == cpu_kernel.uses_avx512_vbmi()
 
 
-@pytest.mark.parametrize("path", ["vbmi", "avx2"])
+@pytest.mark.parametrize("path", ["vbmi", "avx512f", "avx2"])
 def test_kernel_pipeline_times_both_ways_of_the_output(path, capsys):
     """`benchmarks/kernel_pipeline.py` builds the kernel's block functions with the package's
     flags and runs AdamW's per-block work on one of the kernel's paths both ways (Adam's
@@ -139,7 +157,9 @@ def test_kernel_pipeline_times_both_ways_of_the_output(path, capsys):
         result = module.main(["--path", path, "--repeats", "3"])
     out = capsys.readouterr().out
     if cpu_kernel.available():  # the kernel's own paths, from the same CPU checks
-        runs = {"vbmi": cpu_kernel.uses_avx512_vbmi(), "avx2": "avx2" in cpu_kernel.decode_paths()}
+        paths = cpu_kernel.decode_paths()
+        runs = {"vbmi": cpu_kernel.uses_avx512_vbmi(), "avx512f": "avx512f" in paths,
+                "avx2": "avx2" in paths}  # fmt: skip
         assert result["available"] == runs[path]
     assert result["path"] == path
     if result["available"]:

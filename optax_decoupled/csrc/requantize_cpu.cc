@@ -10,8 +10,8 @@
 // EncodeBlockAvx512), picked at run time on CPUs that have them; everything else is
 // portable C++ that the compiler vectorizes (target clones for AVX-512, AVX2 and baseline
 // x86-64). With out_mode it also computes the transform's output (Adam's, AMSGrad's or
-// Lion's, AdamOutBlock/LionOutBlock; Adam's inside the moments' passes on the VBMI and AVX2
-// paths, AdamPart) from each block's new float32 moments, before they are quantized, and
+// Lion's, AdamOutBlock/LionOutBlock; Adam's inside the moments' passes on the VBMI,
+// AVX-512F and AVX2 paths, AdamPart) from each block's new float32 moments, before they are quantized, and
 // writes it to its own result, which the caller aliases with the gradient or not. A second handler, OdEmaBf16 (at the end), does the same moving averages on moments
 // stored in bfloat16, with the same optional output.
 //
@@ -113,7 +113,8 @@ inline float FloatOf(uint32_t u) {
 // multiplications by their float32 reciprocals, as XLA:CPU compiles a division by a scalar
 // (measured: docs/memory.md); sqrt and the last division are IEEE, as XLA's. In two parts,
 // each rounded as the whole is: the denominator sqrt(d + eps_root) + eps from den, then the
-// quotient from mu (the VBMI and AVX2 paths compute them in different passes: AdamPart).
+// quotient from mu (the VBMI, AVX-512F and AVX2 paths compute them in different passes:
+// AdamPart).
 struct AdamCoefficients {
   int scale_num;
   float inv_bc1;
@@ -133,7 +134,7 @@ inline float AdamQuotient(const AdamCoefficients& a, float mu, float denominator
   return n / denominator;
 }
 
-// Adam's output in two of the VBMI or AVX2 passes (StoresDenominator, StoresQuotient and
+// Adam's output in two of the fused passes (StoresDenominator, StoresQuotient and
 // their 8-element versions, below).
 struct AdamPart {
   enum Role { kNone, kDenominator, kQuotient } role;
@@ -365,7 +366,7 @@ OD_AVX512_VBMI inline void Decode64(const PlaneRegisters& r, __m512i codes, __m5
 // These two also do what the other paths do in separate passes over the block: they copy
 // the old codes to `old_codes` (when not null) from the registers they decode, and return
 // the block's max |out| as AbsMaxBits would (the unsigned integer max of |x|'s bits).
-OD_AVX512_VBMI inline __m512i AbsBits(__m512 x) {
+OD_AVX512 inline __m512i AbsBits(__m512 x) {
   return _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
 }
 
@@ -393,9 +394,9 @@ OD_AVX512_VBMI inline uint32_t VbmiPass(const uint8_t* codes, const MapPlanes& p
   return _mm512_reduce_max_epu32(top);
 }
 
-// The rest of the block after a VBMI or AVX2 pass (`valid` not a multiple of 64 or 32, and
-// the padding), once the caller has computed its values: its codes through memcpy, its max
-// |value| bits through AbsMaxBits.
+// The rest of the block after a VBMI, AVX-512F or AVX2 pass (`valid` not a multiple of 64,
+// 16 or 32, and the padding), once the caller has computed its values: its codes through
+// memcpy, its max |value| bits through AbsMaxBits.
 inline uint32_t PassTail(const uint8_t* codes, int full, int block, const float* out,
                          uint8_t* old_codes, uint32_t top) {
   if (old_codes != nullptr) {
@@ -408,7 +409,7 @@ struct EmaValue {  // c_in * g^power + c_keep * old, as EmaBlock
   const float* g;
   __m512 cin, ckeep;
   int power;
-  OD_AVX512_VBMI __m512 operator()(__m512 old, int i) const {
+  OD_AVX512 __m512 operator()(__m512 old, int i) const {
     const __m512 gi = _mm512_loadu_ps(g + i);
     const __m512 src = power == 2 ? _mm512_mul_ps(gi, gi) : gi;
     const __m512 t1 = _mm512_mul_ps(cin, src);
@@ -421,7 +422,7 @@ struct MaxValue {  // max(old, seen [/ divisor]), NaN-propagating, as MaxBlock
   const float* seen;
   __m512 d;
   int divide;
-  OD_AVX512_VBMI __m512 operator()(__m512 old, int i) const {
+  OD_AVX512 __m512 operator()(__m512 old, int i) const {
     const __m512 si = _mm512_loadu_ps(seen + i);
     const __m512 s = divide ? _mm512_div_ps(si, d) : si;
     const __mmask16 keep = _mm512_cmp_ps_mask(old, s, _CMP_GT_OQ) |
@@ -443,7 +444,7 @@ template <typename Value>
 struct StoresDenominator {  // value(old, i) (the moment), also storing its denominator
   const Value& value;
   const AdamPart& part;
-  OD_AVX512_VBMI __m512 operator()(__m512 old, int i) const {
+  OD_AVX512 __m512 operator()(__m512 old, int i) const {
     const __m512 v = value(old, i);
     const AdamCoefficients& a = part.a;
     const __m512 d = a.scale_den ? _mm512_mul_ps(v, _mm512_set1_ps(a.inv_bc2)) : v;
@@ -457,7 +458,7 @@ template <typename Value>
 struct StoresQuotient {  // value(old, i) (mu), also storing the output. After value's read of
   const Value& value;    // g at i, so that the output may be written in g's place.
   const AdamPart& part;
-  OD_AVX512_VBMI __m512 operator()(__m512 old, int i) const {
+  OD_AVX512 __m512 operator()(__m512 old, int i) const {
     const __m512 m = value(old, i);
     const AdamCoefficients& a = part.a;
     const __m512 n = a.scale_num ? _mm512_mul_ps(m, _mm512_set1_ps(a.inv_bc1)) : m;
@@ -509,6 +510,76 @@ OD_AVX512_VBMI uint32_t MaxBlockVbmi(const float* seen, const uint8_t* codes, co
   if (full == block) return top;  // no tail, no calls
   MaxBlockAvx512(seen + full, codes + full, qmap, absmax, divide, divisor, valid - full,
                  block - full, out + full);
+  AdamPartTail(part, out, full, valid);
+  return PassTail(codes, full, block, out, old_codes, top);
+}
+
+// The same passes on CPUs with AVX-512F but not VBMI (e.g. Intel Xeons of the Skylake and
+// Cascade Lake generations), with EmaBlockAvx512's register-permute decode of 16 codes at a
+// time: the copy of the old codes, the block's max |value| bits and Adam's output parts
+// (AdamPart) in the moments' passes, where this path made a pass of its own for each
+// (AbsMaxBits, memcpy, AdamOutBlock) before. The values are EmaBlockAvx512's and
+// MaxBlockAvx512's, operation by operation (the value functors above are theirs).
+template <typename Value>
+OD_AVX512 inline uint32_t Avx512Pass(const uint8_t* codes, const MapRegisters& m, float absmax,
+                                     int full, float* out, uint8_t* old_codes,
+                                     const Value& value) {
+  const __m512 a = _mm512_set1_ps(absmax);
+  __m512i top = _mm512_setzero_si512();
+  for (int i = 0; i < full; i += 16) {
+    if (old_codes != nullptr) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(old_codes + i),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    }
+    const __m512 v = value(_mm512_mul_ps(Decode16(m, codes + i), a), i);
+    _mm512_storeu_ps(out + i, v);
+    top = _mm512_max_epu32(top, AbsBits(v));
+  }
+  return _mm512_reduce_max_epu32(top);
+}
+
+template <typename Value>
+OD_AVX512 inline uint32_t Avx512PassWith(const AdamPart& part, const uint8_t* codes,
+                                         const MapRegisters& m, float absmax, int full,
+                                         float* out, uint8_t* old_codes, const Value& value) {
+  switch (part.role) {
+    case AdamPart::kDenominator:
+      return Avx512Pass(codes, m, absmax, full, out, old_codes,
+                        StoresDenominator<Value>{value, part});
+    case AdamPart::kQuotient:
+      return Avx512Pass(codes, m, absmax, full, out, old_codes,
+                        StoresQuotient<Value>{value, part});
+    default:
+      return Avx512Pass(codes, m, absmax, full, out, old_codes, value);
+  }
+}
+
+OD_AVX512 uint32_t EmaBlockAvx512Pass(const float* g, const uint8_t* codes, const float* qmap,
+                                      float absmax, float c_in, float c_keep, int power,
+                                      int valid, int block, float* out, uint8_t* old_codes,
+                                      const AdamPart& part) {
+  const int full = valid - valid % 16;
+  const MapRegisters m = LoadMap(qmap);
+  const EmaValue value{g, _mm512_set1_ps(c_in), _mm512_set1_ps(c_keep), power};
+  const uint32_t top = Avx512PassWith(part, codes, m, absmax, full, out, old_codes, value);
+  if (full == block) return top;  // no tail, no calls
+  EmaBlock(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
+           block - full, out + full);
+  AdamPartTail(part, out, full, valid);
+  return PassTail(codes, full, block, out, old_codes, top);
+}
+
+OD_AVX512 uint32_t MaxBlockAvx512Pass(const float* seen, const uint8_t* codes,
+                                      const float* qmap, float absmax, int divide,
+                                      float divisor, int valid, int block, float* out,
+                                      uint8_t* old_codes, const AdamPart& part) {
+  const int full = valid - valid % 16;
+  const MapRegisters m = LoadMap(qmap);
+  const MaxValue value{seen, _mm512_set1_ps(divisor), divide};
+  const uint32_t top = Avx512PassWith(part, codes, m, absmax, full, out, old_codes, value);
+  if (full == block) return top;  // no tail, no calls
+  MaxBlock(seen + full, codes + full, qmap, absmax, divide, divisor, valid - full,
+           block - full, out + full);
   AdamPartTail(part, out, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
@@ -1450,19 +1521,13 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
   // The decode: the best the CPU has (AVX-512 VBMI byte permutes, AVX-512F register
   // permutes, the AVX2 loads, the portable compiler-vectorized loops), at most `decode_limit`
   // (0: any, 1: no VBMI, 2: no AVX-512, 3: portable only; tests run all four). The AVX-512
-  // encoder goes with either AVX-512 decode, the AVX2 one with the AVX2 decode. The VBMI and
-  // AVX2 decodes also copy the old codes and take each block's max |value| (`fused`).
-  auto ema = EmaBlock;
-  auto running_max = MaxBlock;
+  // encoder goes with either AVX-512 decode, the AVX2 one with the AVX2 decode. All but the
+  // portable decode also copy the old codes and take each block's max |value| (`fused`).
   EncodeFn encode = EncodeBlock;
-  bool vbmi = false, avx2 = false;
+  bool vbmi = false, avx512 = false, avx2 = false;
 #if defined(OD_X86_AVX512)
-  const bool avx512 = decode_limit < 2 && CpuHasAvx512();
-  if (avx512) {
-    ema = EmaBlockAvx512;
-    running_max = MaxBlockAvx512;
-    encode = EncodeBlockAvx512;
-  }
+  avx512 = decode_limit < 2 && CpuHasAvx512();
+  if (avx512) encode = EncodeBlockAvx512;
   vbmi = decode_limit < 1 && CpuHasAvx512Vbmi();
   avx2 = !avx512 && decode_limit < 3 && CpuHasAvx2();
   if (avx2) encode = EncodeBlockAvx2;
@@ -1477,10 +1542,10 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
     if (t->ok) byte_tables[k] = t;
   }
 #endif
-  const bool fused = vbmi || avx2;
+  const bool fused = vbmi || avx512 || avx2;
 
-  // Adam's output in the VBMI or AVX2 passes (AdamPart): its denominator's pass first, mu's
-  // last.
+  // Adam's output in the moments' passes (AdamPart) where they are fused: its denominator's
+  // pass first, mu's last.
   const bool split_out = fused && out_mode == 1;
   const AdamCoefficients adam{static_cast<int>(out_scale_num), inv_bc1,
                               static_cast<int>(out_scale_den), inv_bc2, oc[2], oc[3]};
@@ -1515,6 +1580,12 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
                                 out, old_codes(k), part(k));
           return;
         }
+        if (avx512) {
+          top[k] = EmaBlockAvx512Pass(gd + off, codes_in[k] + off, enc[k].qmap,
+                                      absmax_in[k][blk], c[2 * k], c[2 * k + 1], powers[k],
+                                      valid, b, out, old_codes(k), part(k));
+          return;
+        }
         if (avx2) {
           top[k] = EmaBlockAvx2(gd + off, codes_in[k] + off, enc[k].qmap, absmax_in[k][blk],
                                 c[2 * k], c[2 * k + 1], powers[k], valid, b, out, old_codes(k),
@@ -1522,8 +1593,8 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
           return;
         }
 #endif
-        ema(gd + off, codes_in[k] + off, enc[k].qmap, absmax_in[k][blk], c[2 * k],
-            c[2 * k + 1], powers[k], valid, b, out);
+        EmaBlock(gd + off, codes_in[k] + off, enc[k].qmap, absmax_in[k][blk], c[2 * k],
+                 c[2 * k + 1], powers[k], valid, b, out);
       };
       auto max_pass = [&]() {
         const int divide = static_cast<int>(max_divide);
@@ -1535,6 +1606,12 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
                                 old_codes(2), part(2));
           return;
         }
+        if (avx512) {
+          top[2] = MaxBlockAvx512Pass(values.data() + block, codes_in[2] + off, enc[2].qmap,
+                                      absmax_in[2][blk], divide, c[4], valid, b, out,
+                                      old_codes(2), part(2));
+          return;
+        }
         if (avx2) {
           top[2] = MaxBlockAvx2(values.data() + block, codes_in[2] + off, enc[2].qmap,
                                 absmax_in[2][blk], divide, c[4], valid, b, out, old_codes(2),
@@ -1542,8 +1619,8 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
           return;
         }
 #endif
-        running_max(values.data() + block, codes_in[2] + off, enc[2].qmap, absmax_in[2][blk],
-                    divide, c[4], valid, b, out);
+        MaxBlock(values.data() + block, codes_in[2] + off, enc[2].qmap, absmax_in[2][blk],
+                 divide, c[4], valid, b, out);
       };
       if (split_out) {  // nu, nu_max, then mu, whose pass writes the output
         ema_pass(1);

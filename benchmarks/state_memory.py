@@ -6,8 +6,9 @@ matrix of shape (round(N / 1024), 1024) (a multiple of the block size, as real l
 ``--leaves K`` splits the N parameters into K such matrices, (round(N / K / 1024), 1024)
 each, as a model's layers are: the optimizer then runs K kernel calls per step (in order,
 ``optax_decoupled.storage.KernelOrder``), and the program's temporaries are one leaf's.
-The timed step is ``update`` + ``apply_updates`` of ``optax_decoupled.adamw``, jitted with
-the parameters and the state donated (updated in place), as in a training loop. Each other
+The timed step is ``update`` + ``apply_updates`` of ``optax_decoupled.adamw`` (or, with
+``--optimizer``, ``amsgrad`` or ``lion``), jitted with the parameters and the state donated
+(updated in place), as in a training loop. Each other
 dtype is timed in turns with float32, in blocks of ``--block`` steps of one program (fp32 x5,
 int8 x5, fp32 x5, ...; then fp32, bf16, ...), the first step of each block not counted, so
 that a machine shared with other jobs slows both alike while each program is timed as a
@@ -49,6 +50,7 @@ writes a copy of the old codes instead of the output even in a training step).
     python benchmarks/state_memory.py --step train --wrap apply_if_finite --dtypes int8
     python benchmarks/state_memory.py --sizes 2e7 --leaves 20   # 20 matrices of 1e6
     python benchmarks/state_memory.py --decode avx512f   # the 8-bit kernel's AVX-512F path
+    python benchmarks/state_memory.py --optimizer lion --dtypes int8
 
 Targets (issue 6): int8 state <= 0.27x float32 for large tensors; step time <= 1.5x float32.
 """
@@ -103,20 +105,33 @@ def _storage(name):
 #: What ``--wrap`` puts around the transform: nothing, or Optax's non-finite-gradient guard.
 WRAPS = ("none", "apply_if_finite")
 
+#: ``--optimizer``: the transform each program runs, with the state dtype its storage (the
+#: float32 anchor the same optimizer's float32 state). AdamW is issue 6's benchmark; AMSGrad
+#: (PyTorch's convention, decoupled decay) keeps a third moment, the running max of nu, and
+#: Lion one moment, whose output is a sign.
+OPTIMIZERS = {
+    "adamw": lambda sd: od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype=sd),
+    "amsgrad": lambda sd: od.amsgrad(1e-3, weight_decay=0.1, mask=None, state_dtype=sd),
+    "lion": lambda sd: od.lion(1e-4, weight_decay=1.0, mask=None, state_dtype=sd),
+}
+
 #: Rows of the batch of ``--step train``: small, so that the gradient costs little next to
 #: the update, yet is a matrix product's output, materialised in every program.
 TRAIN_BATCH = 4
 
 
-def make_step(state_dtype, kind: str = "update", wrap: str = "none"):
+def make_step(state_dtype, kind: str = "update", wrap: str = "none", optimizer: str = "adamw"):
     """``(tx, step)``: ``step(params, state, data)`` jitted with the parameters and the state
     donated. ``kind="update"``: ``data`` is the gradient (an argument of the program).
     ``kind="train"``: ``data`` is a batch ``x`` of shape ``(TRAIN_BATCH, rows)`` and the
     step computes the gradient of ``sum(tanh(x @ w))`` itself, as a training step does.
-    ``wrap="apply_if_finite"``: the transform is ``optax.apply_if_finite(adamw, 3)``."""
+    ``wrap="apply_if_finite"``: the transform is ``optax.apply_if_finite(tx, 3)``.
+    ``optimizer``: one of :data:`OPTIMIZERS`."""
     if wrap not in WRAPS:
         raise ValueError(f"wrap: one of {WRAPS}, got {wrap!r}")
-    tx = od.adamw(1e-3, weight_decay=0.1, mask=None, state_dtype=_storage(state_dtype))
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: one of {tuple(OPTIMIZERS)}, got {optimizer!r}")
+    tx = OPTIMIZERS[optimizer](_storage(state_dtype))
     if wrap == "apply_if_finite":
         tx = optax.apply_if_finite(tx, max_consecutive_errors=3)
 
@@ -142,11 +157,13 @@ def bench_size(
     block: int = 5,
     wrap: str = "none",
     leaves: int = 1,
+    optimizer: str = "adamw",
 ) -> dict:
     """Times the step of each of ``dtypes`` at ``shape`` (see the module docstring):
     ``repeats`` turns of ``block`` steps per program with ``rotation="blocks"``, the first
     step of each block not counted; single steps with ``"pairs"`` and ``"all"``. With
-    ``leaves`` > 1 the parameters are that many matrices of ``shape``."""
+    ``leaves`` > 1 the parameters are that many matrices of ``shape``; ``optimizer``: one of
+    :data:`OPTIMIZERS`."""
     if rotation != "blocks":
         block = 1
     elif block < 2:
@@ -169,7 +186,7 @@ def bench_size(
         data = jax.random.normal(jax.random.fold_in(key, 2), (TRAIN_BATCH, shape[0]))
     runs = {}
     for sd in dtypes:
-        tx, step = make_step(sd, kind, wrap)
+        tx, step = make_step(sd, kind, wrap, optimizer)
         params = jax.tree.map(jnp.copy, params0)
         state = tx.init(params)
         sb = memory.state_bytes(state, params)
@@ -198,7 +215,7 @@ def bench_size(
         anchor.update({sd: f32_times for sd in turn if sd != "float32"})
     n = leaves * int(np.prod(shape))
     out = {"shape": list(shape), "num_params": n, "rotation": rotation, "step": kind, "wrap": wrap}
-    out["leaves"] = leaves
+    out["leaves"], out["optimizer"] = leaves, optimizer
     out["block"], out["timed_steps"] = block, len(times["float32"])
     for sd in dtypes:
         sb = runs[sd]["bytes"]
@@ -289,6 +306,12 @@ def main(argv=None) -> list[dict]:
         "AVX2 or portable one (optax_decoupled.cpu_kernel.DECODE), e.g. to time a Skylake-class "
         "CPU's path on a CPU with AVX-512 VBMI",
     )
+    parser.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        default="adamw",
+        help="the optimizer every program runs (default adamw, issue 6's benchmark)",
+    )
     args = parser.parse_args(argv)
     if args.block < 2 and args.rotation == "blocks":
         parser.error("--block must be at least 2 (the first step of each block is not counted)")
@@ -317,6 +340,7 @@ def main(argv=None) -> list[dict]:
         "block": args.block if args.rotation == "blocks" else 1,
         "step": args.step,
         "wrap": args.wrap,
+        "optimizer": args.optimizer,
         "leaves": args.leaves,
         "dtypes": ["float32", *dict.fromkeys(args.dtypes)],
         # The allocator's settings change how much the temporaries cost (docs/memory.md).
@@ -339,6 +363,7 @@ def main(argv=None) -> list[dict]:
                 args.block,
                 args.wrap,
                 args.leaves,
+                args.optimizer,
             )
         )
         print(markdown(results[-1:]).splitlines()[-1], flush=True)
@@ -367,6 +392,7 @@ def main(argv=None) -> list[dict]:
         if args.step == "update"
         else f"a training step (gradient of sum(tanh(x @ w)) computed in it, batch {TRAIN_BATCH})"
     )
+    what += f", {args.optimizer}"
     if args.wrap != "none":
         what += f", the transform wrapped in optax.{args.wrap}(tx, 3)"
     print(f"timed: {what}")

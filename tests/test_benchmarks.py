@@ -100,6 +100,30 @@ def test_state_memory_splits_the_parameters_into_leaves(state_memory, kind, caps
     assert "--leaves must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("optimizer", ["amsgrad", "lion"])
+def test_state_memory_times_other_optimizers(state_memory, optimizer):
+    """``--optimizer``: every program runs that optimizer, its float32 anchor included; the
+    8-bit state holds its moments (AMSGrad three, Lion one) at about a quarter of float32's."""
+    import jax.numpy as jnp
+
+    from optax_decoupled import memory
+
+    out = state_memory.bench_size(
+        (8, 1024), 1, "blocks", ("float32", "int8"), "update", 2, optimizer=optimizer
+    )
+    assert out["optimizer"] == optimizer
+    params = {"w": jnp.zeros((8, 1024), jnp.float32)}
+    for sd in ("float32", "int8"):
+        tx, _ = state_memory.make_step(sd, optimizer=optimizer)
+        assert out[sd]["state_bytes"] == memory.state_bytes(tx.init(params), params).total
+    moments = {"amsgrad": 3, "lion": 1}[optimizer]
+    assert out["float32"]["state_bytes"] >= moments * 4 * 8 * 1024
+    assert out["float32"]["state_bytes"] < (moments + 1) * 4 * 8 * 1024
+    assert out["int8"]["state_ratio"] < 0.27
+    with pytest.raises(ValueError, match="optimizer"):
+        state_memory.make_step("int8", optimizer="sgd")
+
+
 def test_state_memory_limits_the_kernel_path(state_memory, tmp_path, monkeypatch, capsys):
     """``--decode P`` times the 8-bit kernel's path ``P`` (``cpu_kernel.DECODE``, read when the
     programs are traced) and records it."""

@@ -134,14 +134,42 @@ inline float AdamQuotient(const AdamCoefficients& a, float mu, float denominator
   return n / denominator;
 }
 
-// Adam's output in two of the fused passes (StoresDenominator, StoresQuotient and
-// their 8-element versions, below).
+// jnp.sign of Lion's interpolation: +-1, a zero keeps its sign, NaN stays NaN.
+inline float SignOf(float t) { return t > 0.0f ? 1.0f : (t < 0.0f ? -1.0f : t); }
+
+// Lion's u = sign(c_g * g + c_mu * mu_old) from the old codes (before they are replaced).
+// `out` may be `g` itself.
+OD_CLONES void LionOutBlock(const float* g, const uint8_t* __restrict codes,
+                            const float* __restrict qmap, float absmax, float c_g, float c_mu,
+                            int valid, float* out) {
+  for (int i = 0; i < valid; ++i) {
+    const float m = qmap[codes[i]] * absmax;
+    const float t1 = c_g * g[i];
+    const float t2 = c_mu * m;
+    out[i] = SignOf(t1 + t2);
+  }
+}
+
+// The transform's output in the fused passes: Adam's in two of them (StoresDenominator,
+// StoresQuotient and their 8-element versions, below), Lion's sign in mu's, its one moment's,
+// from the old moment the pass decodes (kLionSign: StoresSign, StoresSign8), where
+// LionOutBlock decoded the old codes again in a pass of its own.
 struct AdamPart {
-  enum Role { kNone, kDenominator, kQuotient } role;
+  enum Role { kNone, kDenominator, kQuotient, kLionSign } role;
   AdamCoefficients a;
   float* denominator;  // the block's, written by kDenominator and read by kQuotient
-  float* out;          // the block's output (kQuotient), possibly g's own buffer
+  float* out;          // the block's output (kQuotient, kLionSign), possibly g's own buffer
+  const float* g = nullptr;     // the block's gradient (kLionSign)
+  float c_g = 0.0f, c_mu = 0.0f;  // Lion's interpolation, c_g * g + c_mu * mu_old
 };
+
+// kLionSign for elements [begin, valid) of the block (a pass's tail): from the old codes.
+inline void LionPartTail(const AdamPart& part, const uint8_t* codes, const float* qmap,
+                         float absmax, int begin, int valid) {
+  if (part.role != AdamPart::kLionSign || begin >= valid) return;
+  LionOutBlock(part.g + begin, codes + begin, qmap, absmax, part.c_g, part.c_mu, valid - begin,
+               part.out + begin);
+}
 
 // `part`'s role for elements [begin, end) of the block, whose moment values are `values`
 // (the passes' tails, after the AVX-512 functions computed them).
@@ -467,6 +495,26 @@ struct StoresQuotient {  // value(old, i) (mu), also storing the output. After v
   }
 };
 
+template <typename Value>
+struct StoresSign {  // value(old, i) (mu's new value), also storing Lion's output from old
+  const Value& value;  // (LionOutBlock's arithmetic: c_g * g + c_mu * old, then its sign);
+  const AdamPart& part;  // g at i read before the output may be written in its place.
+  OD_AVX512 __m512 operator()(__m512 old, int i) const {
+    const __m512 gi = _mm512_loadu_ps(part.g + i);
+    const __m512 v = value(old, i);
+    const __m512 t1 = _mm512_mul_ps(_mm512_set1_ps(part.c_g), gi);
+    const __m512 t2 = _mm512_mul_ps(_mm512_set1_ps(part.c_mu), old);
+    const __m512 t = _mm512_add_ps(t1, t2);
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 sign = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t, zero, _CMP_GT_OQ), t,
+                                       _mm512_set1_ps(1.0f));
+    sign = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t, zero, _CMP_LT_OQ), sign,
+                                _mm512_set1_ps(-1.0f));
+    _mm512_storeu_ps(part.out + i, sign);
+    return v;
+  }
+};
+
 // VbmiPass with `part`'s role.
 template <typename Value>
 OD_AVX512_VBMI inline uint32_t VbmiPassWith(const AdamPart& part, const uint8_t* codes,
@@ -479,6 +527,8 @@ OD_AVX512_VBMI inline uint32_t VbmiPassWith(const AdamPart& part, const uint8_t*
     case AdamPart::kQuotient:
       return VbmiPass(codes, planes, absmax, full, out, old_codes,
                       StoresQuotient<Value>{value, part});
+    case AdamPart::kLionSign:
+      return VbmiPass(codes, planes, absmax, full, out, old_codes, StoresSign<Value>{value, part});
     default:
       return VbmiPass(codes, planes, absmax, full, out, old_codes, value);
   }
@@ -497,6 +547,7 @@ OD_AVX512_VBMI uint32_t EmaBlockVbmi(const float* g, const uint8_t* codes, const
   EmaBlockAvx512(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
                  block - full, out + full);
   AdamPartTail(part, out, full, valid);
+  LionPartTail(part, codes, qmap, absmax, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
 
@@ -549,6 +600,8 @@ OD_AVX512 inline uint32_t Avx512PassWith(const AdamPart& part, const uint8_t* co
     case AdamPart::kQuotient:
       return Avx512Pass(codes, m, absmax, full, out, old_codes,
                         StoresQuotient<Value>{value, part});
+    case AdamPart::kLionSign:
+      return Avx512Pass(codes, m, absmax, full, out, old_codes, StoresSign<Value>{value, part});
     default:
       return Avx512Pass(codes, m, absmax, full, out, old_codes, value);
   }
@@ -566,6 +619,7 @@ OD_AVX512 uint32_t EmaBlockAvx512Pass(const float* g, const uint8_t* codes, cons
   EmaBlock(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
            block - full, out + full);
   AdamPartTail(part, out, full, valid);
+  LionPartTail(part, codes, qmap, absmax, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
 
@@ -1136,6 +1190,24 @@ struct StoresQuotient8 {
 };
 
 template <typename Value>
+struct StoresSign8 {
+  const Value& value;
+  const AdamPart& part;
+  OD_AVX2 __m256 operator()(__m256 old, int i) const {
+    const __m256 gi = _mm256_loadu_ps(part.g + i);
+    const __m256 v = value(old, i);
+    const __m256 t1 = _mm256_mul_ps(_mm256_set1_ps(part.c_g), gi);
+    const __m256 t2 = _mm256_mul_ps(_mm256_set1_ps(part.c_mu), old);
+    const __m256 t = _mm256_add_ps(t1, t2);
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 sign = _mm256_blendv_ps(t, _mm256_set1_ps(1.0f), _mm256_cmp_ps(t, zero, _CMP_GT_OQ));
+    sign = _mm256_blendv_ps(sign, _mm256_set1_ps(-1.0f), _mm256_cmp_ps(t, zero, _CMP_LT_OQ));
+    _mm256_storeu_ps(part.out + i, sign);
+    return v;
+  }
+};
+
+template <typename Value>
 OD_AVX2 inline uint32_t Avx2PassWith(const AdamPart& part, const uint8_t* codes,
                                      const float* qmap, float absmax, int full, float* out,
                                      uint8_t* old_codes, const Value& value) {
@@ -1146,6 +1218,8 @@ OD_AVX2 inline uint32_t Avx2PassWith(const AdamPart& part, const uint8_t* codes,
     case AdamPart::kQuotient:
       return Avx2Pass(codes, qmap, absmax, full, out, old_codes,
                       StoresQuotient8<Value>{value, part});
+    case AdamPart::kLionSign:
+      return Avx2Pass(codes, qmap, absmax, full, out, old_codes, StoresSign8<Value>{value, part});
     default:
       return Avx2Pass(codes, qmap, absmax, full, out, old_codes, value);
   }
@@ -1165,6 +1239,7 @@ OD_AVX2 uint32_t EmaBlockAvx2(const float* g, const uint8_t* codes, const float*
   EmaBlock(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
            block - full, out + full);
   AdamPartTail(part, out, full, valid);
+  LionPartTail(part, codes, qmap, absmax, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
 
@@ -1259,27 +1334,11 @@ inline float AdamOutValue(float mu, float den, int scale_num, float inv_bc1, int
   return AdamQuotient(a, mu, AdamDenominator(a, den));
 }
 
-// jnp.sign of Lion's interpolation: +-1, a zero keeps its sign, NaN stays NaN.
-inline float SignOf(float t) { return t > 0.0f ? 1.0f : (t < 0.0f ? -1.0f : t); }
-
 OD_CLONES void AdamOutBlock(const float* __restrict mu, const float* __restrict den,
                             int scale_num, float inv_bc1, int scale_den, float inv_bc2,
                             float eps, float eps_root, int valid, float* __restrict out) {
   for (int i = 0; i < valid; ++i) {
     out[i] = AdamOutValue(mu[i], den[i], scale_num, inv_bc1, scale_den, inv_bc2, eps, eps_root);
-  }
-}
-
-// Lion's u = sign(c_g * g + c_mu * mu_old) from the old codes (before they are replaced).
-// `out` may be `g` itself.
-OD_CLONES void LionOutBlock(const float* g, const uint8_t* __restrict codes,
-                            const float* __restrict qmap, float absmax, float c_g, float c_mu,
-                            int valid, float* out) {
-  for (int i = 0; i < valid; ++i) {
-    const float m = qmap[codes[i]] * absmax;
-    const float t1 = c_g * g[i];
-    const float t2 = c_mu * m;
-    out[i] = SignOf(t1 + t2);
   }
 }
 
@@ -1547,8 +1606,11 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
   // Adam's output in the moments' passes (AdamPart) where they are fused: its denominator's
   // pass first, mu's last.
   const bool split_out = fused && out_mode == 1;
+  // Lion's sign in its moment's pass, from the old moment that pass decodes.
+  const bool lion_in_pass = fused && out_mode == 2;
   const AdamCoefficients adam{static_cast<int>(out_scale_num), inv_bc1,
                               static_cast<int>(out_scale_den), inv_bc2, oc[2], oc[3]};
+  const float lion_c[2] = {oc[0], oc[1]};  // c_g, c_mu
 
   auto work = [&](int64_t task) {
     ScopedFlushDenormals flush;
@@ -1569,7 +1631,9 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
         AdamPart::Role role = AdamPart::kNone;
         if (split_out && k == 0) role = AdamPart::kQuotient;
         if (split_out && k == out_den) role = AdamPart::kDenominator;
-        return AdamPart{role, adam, values.data() + n_moments * block, out_d + off};
+        if (lion_in_pass && k == 0) role = AdamPart::kLionSign;
+        return AdamPart{role, adam, values.data() + n_moments * block, out_d + off, gd + off,
+                        lion_c[0], lion_c[1]};
       };
       auto ema_pass = [&](int64_t k) {
         float* out = values.data() + k * block;
@@ -1636,7 +1700,7 @@ ffi::Error RequantizeEmaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
         AdamOutBlock(values.data(), values.data() + out_den * block,
                      static_cast<int>(out_scale_num), inv_bc1, static_cast<int>(out_scale_den),
                      inv_bc2, oc[2], oc[3], valid, out_d + off);
-      } else if (out_mode == 2) {
+      } else if (out_mode == 2 && !lion_in_pass) {
         LionOutBlock(gd + off, codes_in[0] + off, enc[0].qmap, absmax_in[0][blk], oc[0], oc[1],
                      valid, out_d + off);
       }

@@ -9,11 +9,12 @@
 // (VBMI and VBMI2 byte permutes of a smaller table, EncodeBlockVbmi; an explicit gather,
 // EncodeBlockAvx512), picked at run time on CPUs that have them; everything else is
 // portable C++ that the compiler vectorizes (target clones for AVX-512, AVX2 and baseline
-// x86-64). With out_mode it also computes the transform's output (Adam's, AMSGrad's or
-// Lion's, AdamOutBlock/LionOutBlock; Adam's inside the moments' passes on the VBMI,
-// AVX-512F and AVX2 paths, AdamPart) from each block's new float32 moments, before they are quantized, and
-// writes it to its own result, which the caller aliases with the gradient or not. A second handler, OdEmaBf16 (at the end), does the same moving averages on moments
-// stored in bfloat16, with the same optional output.
+// x86-64). With out_mode it also computes the transform's output, Adam's or AMSGrad's from
+// each block's new float32 moments before they are quantized, Lion's from its old momentum
+// (AdamOutBlock, LionOutBlock; inside the moments' passes on the VBMI, AVX-512F and AVX2
+// paths, AdamPart), and writes it to its own result, which the caller aliases with the
+// gradient or not. A second handler, OdEmaBf16 (at the end), does the same moving averages
+// on moments stored in bfloat16, with the same optional output.
 //
 // With the attribute n_after = 1 both take one more operand after the moments, which they
 // never read: the caller passes a result of the previous kernel call of the same update, so

@@ -6,6 +6,7 @@ a C++ compiler the build goes on without it and 8-bit state uses XLA's own progr
 (``optax_decoupled.cpu_kernel.available()`` is then ``False``).
 """
 
+import hashlib
 import os
 import pathlib
 import runpy
@@ -20,6 +21,17 @@ _FLAGS = runpy.run_path(
     str(pathlib.Path(__file__).resolve().parent / "optax_decoupled" / "csrc" / "build_flags.py")
 )
 TUNING_FLAGS = _FLAGS["TUNING_FLAGS"]
+
+#: The kernel's one source file. Its SHA-256 is compiled into the library
+#: (``cpu_kernel.source_matches_build``): the extension is optional, so a change that does not
+#: compile leaves the previous library in place, silently, and a checkout could run it.
+SOURCE = "optax_decoupled/csrc/requantize_cpu.cc"
+
+
+def _source_sha256():
+    return hashlib.sha256(
+        (pathlib.Path(__file__).resolve().parent / SOURCE).read_bytes()
+    ).hexdigest()
 
 
 def _ffi_include_dir():
@@ -39,8 +51,9 @@ def _extensions():
     return [
         Extension(
             "optax_decoupled._requantize_cpu",
-            sources=["optax_decoupled/csrc/requantize_cpu.cc"],
+            sources=[SOURCE],
             include_dirs=[include],
+            define_macros=[("OD_SOURCE_SHA256", f'"{_source_sha256()}"')],
             language="c++",
             extra_compile_args=flags,
             optional=True,

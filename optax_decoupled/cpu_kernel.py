@@ -67,7 +67,11 @@ If the extension was not built (no C++ compiler at install time) or cannot be lo
 XLA's own program (the same results up to float32 rounding; 8-bit AdamW steps measured
 about 1.5-4x slower, bfloat16 ones up to about 1.8x, depending on the CPU,
 ``docs/memory.md``): the first such update traced with the CPU as the default backend says
-so with a :class:`RuntimeWarning` that gives :func:`unavailable_reason`.
+so with a :class:`RuntimeWarning` that gives :func:`unavailable_reason`. In a checkout or an
+editable install a library compiled from another version of ``csrc/requantize_cpu.cc`` than
+the one next to it (a rebuild that failed to compile leaves the previous library, since the
+extension is optional) still loads, with a :class:`RuntimeWarning`
+(:func:`source_matches_build`).
 ``cpu_kernel=False`` on the storage chooses XLA's program explicitly (no warning). GPUs and
 TPUs never use the kernels. A program that differentiates through the update (e.g. a
 meta-gradient w.r.t. the learning rate) takes the derivative of XLA's program; the kernel
@@ -78,6 +82,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import importlib.machinery
 import pathlib
 import re
@@ -159,7 +164,45 @@ def _register() -> bool:
         _load_error = f"loading {path.name} failed: {e!r}"
         return False
     _lib = lib
+    if source_matches_build() is False:
+        warnings.warn(
+            f"{path.name} was built from another version of csrc/requantize_cpu.cc than the "
+            "one next to it (the extension is optional: a change that does not compile keeps "
+            "the previous library). Rebuild it, e.g. pip install --no-deps -e ., and read "
+            "the compiler's output.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return True
+
+
+#: The kernel's source, where the package is a checkout or an editable install (a wheel
+#: carries only the compiled library).
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "requantize_cpu.cc"
+
+
+def built_source_sha256() -> str | None:
+    """The SHA-256 of ``csrc/requantize_cpu.cc`` that the loaded library was compiled from
+    (``setup.py`` compiles it in), or ``None`` where no library is loaded or it predates the
+    record."""
+    if _lib is None or not hasattr(_lib, "OdSourceSha256"):
+        return None
+    fn = _lib.OdSourceSha256
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+def source_matches_build(source: pathlib.Path | None = None) -> bool | None:
+    """Whether the loaded library was compiled from ``source`` (default :data:`SOURCE`) as
+    it is now. ``None`` where that cannot be told: no library loaded, a library without the
+    record, or no source file (a wheel install). A ``False`` means a stale build: the
+    extension is optional, so a rebuild that failed to compile left the previous library in
+    place (:func:`available` then warns once)."""
+    source = SOURCE if source is None else pathlib.Path(source)
+    built = built_source_sha256()
+    if built is None or built == "unknown" or not source.is_file():
+        return None
+    return hashlib.sha256(source.read_bytes()).hexdigest() == built
 
 
 def _ffi_api_version(lib: ctypes.CDLL) -> tuple[int, int]:

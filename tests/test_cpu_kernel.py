@@ -88,6 +88,32 @@ def _cpu_is_zen1() -> bool:
 
 
 @needs_kernel
+def test_the_library_was_built_from_this_source():
+    """The loaded library records the SHA-256 of `csrc/requantize_cpu.cc` it was compiled
+    from, and it is that of the file as it is: the extension is optional, so a change that
+    fails to compile leaves the previous library in place, and every other test here would
+    run that one. Skipped where the package has no source next to it (a wheel install)."""
+    if not cpu_kernel.SOURCE.is_file():
+        pytest.skip("no csrc/requantize_cpu.cc next to the package (a wheel install)")
+    assert cpu_kernel.built_source_sha256() not in (None, "unknown")
+    assert cpu_kernel.source_matches_build() is True, (
+        "the kernel library is stale: rebuild it (pip install --no-deps -e .) and read the "
+        "compiler's output"
+    )
+
+
+@needs_kernel
+def test_a_changed_source_is_told_apart(tmp_path):
+    """`source_matches_build` compares the recorded hash with a source file's: another
+    file's content gives False, a missing file None (nothing to tell)."""
+    assert cpu_kernel.built_source_sha256() not in (None, "unknown")
+    other = tmp_path / "requantize_cpu.cc"
+    other.write_text("// not the kernel\n")
+    assert cpu_kernel.source_matches_build(other) is False
+    assert cpu_kernel.source_matches_build(tmp_path / "missing.cc") is None
+
+
+@needs_kernel
 def test_avx512_is_used_where_the_cpu_has_it():
     """The kernel's run-time choice of the AVX-512 decode follows the CPU, as Linux reports
     its flags in /proc/cpuinfo (skipped where there is no such file)."""

@@ -184,8 +184,10 @@ SOURCE = pathlib.Path(__file__).parent / "csrc" / "requantize_cpu.cc"
 def built_source_sha256() -> str | None:
     """The SHA-256 of ``csrc/requantize_cpu.cc`` that the loaded library was compiled from
     (``setup.py`` compiles it in), or ``None`` where no library is loaded or it predates the
-    record."""
-    if _lib is None or not hasattr(_lib, "OdSourceSha256"):
+    record. Loads the library if it is not loaded yet."""
+    if _lib is None and not _register():  # (_register sets _lib before it asks)
+        return None
+    if not hasattr(_lib, "OdSourceSha256"):
         return None
     fn = _lib.OdSourceSha256
     fn.restype = ctypes.c_char_p

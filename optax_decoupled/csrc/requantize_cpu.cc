@@ -164,18 +164,19 @@ struct AdamPart {
   float c_g = 0.0f, c_mu = 0.0f;  // Lion's interpolation, c_g * g + c_mu * mu_old
 };
 
-// kLionSign for elements [begin, valid) of the block (a pass's tail): from the old codes.
-inline void LionPartTail(const AdamPart& part, const uint8_t* codes, const float* qmap,
-                         float absmax, int begin, int valid) {
-  if (part.role != AdamPart::kLionSign || begin >= valid) return;
-  LionOutBlock(part.g + begin, codes + begin, qmap, absmax, part.c_g, part.c_mu, valid - begin,
-               part.out + begin);
-}
-
-// `part`'s role for elements [begin, end) of the block, whose moment values are `values`
-// (the passes' tails, after the AVX-512 functions computed them).
-inline void AdamPartTail(const AdamPart& part, const float* values, int begin, int end) {
-  for (int i = begin; i < end; ++i) {
+// `part`'s role for elements [begin, valid) of the block (a pass's tail, after the portable
+// function computed its moment values `values`): Adam's parts from those values, Lion's sign
+// from the old codes.
+inline void PartTail(const AdamPart& part, const float* values, const uint8_t* codes,
+                     const float* qmap, float absmax, int begin, int valid) {
+  if (part.role == AdamPart::kLionSign) {
+    if (begin < valid) {
+      LionOutBlock(part.g + begin, codes + begin, qmap, absmax, part.c_g, part.c_mu,
+                   valid - begin, part.out + begin);
+    }
+    return;
+  }
+  for (int i = begin; i < valid; ++i) {
     if (part.role == AdamPart::kDenominator) {
       part.denominator[i] = AdamDenominator(part.a, values[i]);
     } else if (part.role == AdamPart::kQuotient) {
@@ -547,8 +548,7 @@ OD_AVX512_VBMI uint32_t EmaBlockVbmi(const float* g, const uint8_t* codes, const
   if (full == block) return top;
   EmaBlockAvx512(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
                  block - full, out + full);
-  AdamPartTail(part, out, full, valid);
-  LionPartTail(part, codes, qmap, absmax, full, valid);
+  PartTail(part, out, codes, qmap, absmax, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
 
@@ -562,7 +562,7 @@ OD_AVX512_VBMI uint32_t MaxBlockVbmi(const float* seen, const uint8_t* codes, co
   if (full == block) return top;  // no tail, no calls
   MaxBlockAvx512(seen + full, codes + full, qmap, absmax, divide, divisor, valid - full,
                  block - full, out + full);
-  AdamPartTail(part, out, full, valid);
+  PartTail(part, out, codes, qmap, absmax, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
 
@@ -619,8 +619,7 @@ OD_AVX512 uint32_t EmaBlockAvx512Pass(const float* g, const uint8_t* codes, cons
   if (full == block) return top;  // no tail, no calls
   EmaBlock(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
            block - full, out + full);
-  AdamPartTail(part, out, full, valid);
-  LionPartTail(part, codes, qmap, absmax, full, valid);
+  PartTail(part, out, codes, qmap, absmax, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
 
@@ -635,7 +634,7 @@ OD_AVX512 uint32_t MaxBlockAvx512Pass(const float* seen, const uint8_t* codes,
   if (full == block) return top;  // no tail, no calls
   MaxBlock(seen + full, codes + full, qmap, absmax, divide, divisor, valid - full,
            block - full, out + full);
-  AdamPartTail(part, out, full, valid);
+  PartTail(part, out, codes, qmap, absmax, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
 
@@ -1239,8 +1238,7 @@ OD_AVX2 uint32_t EmaBlockAvx2(const float* g, const uint8_t* codes, const float*
   if (full == block) return top;  // no tail, no calls
   EmaBlock(g + full, codes + full, qmap, absmax, c_in, c_keep, power, valid - full,
            block - full, out + full);
-  AdamPartTail(part, out, full, valid);
-  LionPartTail(part, codes, qmap, absmax, full, valid);
+  PartTail(part, out, codes, qmap, absmax, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
 
@@ -1253,7 +1251,7 @@ OD_AVX2 uint32_t MaxBlockAvx2(const float* seen, const uint8_t* codes, const flo
   if (full == block) return top;  // no tail, no calls
   MaxBlock(seen + full, codes + full, qmap, absmax, divide, divisor, valid - full,
            block - full, out + full);
-  AdamPartTail(part, out, full, valid);
+  PartTail(part, out, codes, qmap, absmax, full, valid);
   return PassTail(codes, full, block, out, old_codes, top);
 }
 

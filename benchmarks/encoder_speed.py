@@ -7,7 +7,7 @@ with, runs it on both maps, and prints nanoseconds per element for each encoder 
 in turns) and whether their codes agree. The portable loop is what the compiler makes of it
 with ``-mtune=native`` on this CPU: where GCC does not know the CPU (e.g. an Intel Xeon of
 family 6, model 207, with GCC 12), generic tuning, which writes the table lookup as scalar
-loads (docs/memory.md).
+loads (docs/memory_log.md).
 
     python benchmarks/encoder_speed.py [--repeats 300] [--json out.json]
 

@@ -22,7 +22,7 @@ moments), ``bfloat16-xla`` the same with ``cpu_kernel=False`` (XLA's own program
 times a subset (float32 always).
 
 Why blocks: a step right after another program's step is not a training loop's step. On
-the project's 2-core Xeon (docs/memory.md, Speed) the float32 step at 1e7 took 9.2 ms in a
+the project's 2-core Xeon (docs/memory_log.md) the float32 step at 1e7 took 9.2 ms in a
 loop of its own and 10.6-12.2 ms alternating step by step with the 8-bit one, whose step
 slowed less (15 against 16 ms): alternating single steps (``--rotation pairs``, the
 protocol before 2026-12-02's third session) flattered the 8-bit ratio at 1e7 by about 10%.
@@ -32,7 +32,8 @@ int8, int8-loop, fp32, ...), which also makes the programs with big temporaries 
 glibc's allocator then maps fresh memory for them more often. For the same reason the
 allocator's settings matter: under glibc, XLA's per-step temporaries above 32 MiB are mapped
 afresh on every step unless e.g. ``GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.``
-``mmap_max=0:glibc.malloc.trim_threshold=4000000000`` is set (docs/memory.md); the run
+``mmap_max=0:glibc.malloc.trim_threshold=4000000000`` is set (docs/memory.md, Allocator
+settings); the run
 records them.
 
 ``--step train`` times a training step instead: the same update after the gradient of
@@ -343,7 +344,8 @@ def main(argv=None) -> list[dict]:
         "optimizer": args.optimizer,
         "leaves": args.leaves,
         "dtypes": ["float32", *dict.fromkeys(args.dtypes)],
-        # The allocator's settings change how much the temporaries cost (docs/memory.md).
+        # The allocator's settings change how much the temporaries cost (docs/memory.md,
+        # Allocator settings).
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(MALLOC_ENV)},
         "cpu_kernel": cpu_kernel.available(),
         "cpu_kernel_avx512": cpu_kernel.uses_avx512(),

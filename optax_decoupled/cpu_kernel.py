@@ -15,7 +15,7 @@ AVX-512, with 256-bit vectors filled by scalar loads (:func:`uses_avx2`; not on 
 elsewhere, loops the compiler vectorized, with the same values. The encoder's table lookup
 is an AVX-512 gather, or with AVX-512 VBMI byte permutes of a table of at most 256 entries
 derived from the same one (``EncodeBlockVbmi``, the same codes; 15-30% faster 8-bit update
-steps on a Zen 4 EPYC, whose gather is slow, ``docs/memory.md``; its arithmetic on 16-bit
+steps on a Zen 4 EPYC, whose gather is slow, ``docs/memory_log.md``; its arithmetic on 16-bit
 halves of the values since 2026-12-06, the encoder alone 1.3-1.4x faster again there), or
 with AVX2 scalar loads (``EncodeBlockAvx2``; about 12% faster update steps than the
 compiler's loops on a Zen 3 EPYC).
@@ -279,7 +279,7 @@ def uses_avx2() -> bool:
     Intel Haswell to Alder Lake), which is faster than the compiler-vectorized loops (the
     same values). ``False`` when the kernel is not available; on CPUs with AVX-512, whose
     own decodes run instead; and on AMD Zen 1, which splits 256-bit operations in two and
-    where the compiler's 128-bit loops measured faster (``docs/memory.md``)."""
+    where the compiler's 128-bit loops measured faster (``docs/memory_log.md``)."""
     if not _register():
         return False
     return bool(_lib.OdUsesAvx2())

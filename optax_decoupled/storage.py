@@ -189,7 +189,7 @@ class KernelOrder:
     first and only then the fusions that read their results (the parameter updates), so the
     temporaries of every call (the copies of the old moments, or the outputs) are live at
     once: 39 MiB for 20 leaves of :math:`10^6` parameters with 8-bit state, a block that
-    glibc maps afresh, page by page, on every step (``docs/memory.md``, eighteenth
+    glibc maps afresh, page by page, on every step (``docs/memory_log.md``, eighteenth
     session). In order, XLA reuses one leaf's temporaries for the next. Calls that write the
     output in place of a gradient the program computes (a training step) have no such
     temporaries and are not ordered (:func:`optax_decoupled.cpu_kernel.dispatch`). The
@@ -218,7 +218,7 @@ def _output_in_kernel(stored: tuple[Any, ...], g: jax.Array) -> bool:
     allocates a program's temporaries as one block per run, which glibc serves from its heap
     up to 32 MiB (its largest dynamic mmap threshold) and above that maps afresh on every
     run; the kernel asks Linux for huge pages for either buffer when it is that large
-    (``AdviseHugePages``). Measured (``docs/memory.md``, eighteenth session): the output was
+    (``AdviseHugePages``). Measured (``docs/memory_log.md``, eighteenth session): the output was
     faster up to :math:`10^6` parameters with 8-bit state, and at :math:`10^7` and
     :math:`5\cdot10^7` with bfloat16 state (the same bytes as the copy); the copy, half the
     bytes, at :math:`10^7` with 8-bit state (20 MB from the heap against 40 MB mapped

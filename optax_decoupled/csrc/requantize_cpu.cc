@@ -20,7 +20,7 @@
 // never read: the caller passes a result of the previous kernel call of the same update, so
 // that XLA runs the calls of a tree's leaves one after another, each followed by what reads
 // its results, instead of all calls first (its CPU scheduler's default order), which keeps
-// every call's temporaries alive at once (docs/memory.md, eighteenth session).
+// every call's temporaries alive at once (docs/memory_log.md, eighteenth session).
 //
 // The Python side (optax_decoupled/cpu_kernel.py) is the only caller. It passes the maps and
 // the encoder tables of optax_decoupled/quantization.py; this file adds no numerics of its
@@ -112,7 +112,7 @@ inline float FloatOf(uint32_t u) {
 //   u = n / (sqrt(d + eps_root) + eps),  n = mu [* 1/bc1],  d = den [* 1/bc2]
 // with den the new nu (Adam) or nu_max (AMSGrad), and the bias corrections applied as
 // multiplications by their float32 reciprocals, as XLA:CPU compiles a division by a scalar
-// (measured: docs/memory.md); sqrt and the last division are IEEE, as XLA's. In two parts,
+// (measured: docs/memory_log.md); sqrt and the last division are IEEE, as XLA's. In two parts,
 // each rounded as the whole is: the denominator sqrt(d + eps_root) + eps from den, then the
 // quotient from mu (the VBMI, AVX-512F and AVX2 paths compute them in different passes:
 // AdamPart).
@@ -467,7 +467,7 @@ struct MaxValue {  // max(old, seen [/ divisor]), NaN-propagating, as MaxBlock
 // value over that (kQuotient). The square root and the division (about 10 and 6 cycles per
 // 16 elements in a Zen 4's divider, measured) then run beside the passes' byte permutes, where
 // the separate pass (AdamOutBlock) waited on the divider alone: the per-block work took 9-10%
-// less time (benchmarks/kernel_pipeline.py; docs/memory.md, nineteenth session). The AVX2
+// less time (benchmarks/kernel_pipeline.py; docs/memory_log.md, nineteenth session). The AVX2
 // path does the same (StoresDenominator8, below). The values are AdamOutValue's, operation by
 // operation.
 template <typename Value>
@@ -1087,7 +1087,7 @@ void EncodeBlockVbmi(const ByteTable& t, const float* x, float factor, float sca
 
 // Not on Zen 1 (AMD family 17h, models below 30h), which runs each 256-bit operation as two
 // halves: there AVX2 encoders like this one took 2.04-2.19 ns per element against the
-// compiler's 128-bit loop's 1.71 (docs/memory.md, fourth session), so it keeps that loop.
+// compiler's 128-bit loop's 1.71 (docs/memory_log.md, fourth session), so it keeps that loop.
 bool CpuHasAvx2() {
   static const bool has = [] {
     __builtin_cpu_init();
@@ -1374,7 +1374,7 @@ void QuantizeBlock(const float* x, const Encoder& e, int block, uint8_t* codes,
 // for the output where it has a buffer of its own rather than g's (out_mode, the gradient
 // an argument of the program): with the advice, bfloat16 Adam's update step at 1e7 and 5e7
 // parameters was faster with it than with the copy of the old moments, without it slower
-// (docs/memory.md, eighteenth session). Only these buffers are advised, never memory outside them; elsewhere,
+// (docs/memory_log.md, eighteenth session). Only these buffers are advised, never memory outside them; elsewhere,
 // or where THP is off, nothing changes. (The
 // advice stays on the range after XLA frees the block: where the allocator keeps it, as with
 // the docs' GLIBC_TUNABLES setting, the next step's block, at the same place, has it anyway.)
@@ -1840,7 +1840,7 @@ OD_CLONES void EmaBf16Range(const Bf16Args& a, int64_t begin, int64_t end) {
   // The running max (AMSGrad), with and without the output in loops of their own: a store
   // under a condition (the output's) in the loop kept the compiler from vectorizing it
   // (AMSGrad's bfloat16 steps took 2.4-3.6x float32's where Adam's took 1.1-1.6x; the
-  // twenty-first session, docs/memory.md). The divisor's quotient is taken and selected.
+  // twenty-first session, docs/memory_log.md). The divisor's quotient is taken and selected.
   uint16_t* __restrict m2 = a.out[2];
   const float d = a.divisor;
   const bool divide = a.divide != 0;

@@ -1,7 +1,7 @@
 """The 8-bit AdamW update step in a loop of its own, against float32: medians and 10th
 percentiles of single synchronised steps (the update + apply_updates of benchmarks/
 state_memory.py, parameters and state donated, the gradient an argument). The seventeenth
-session's measurement of what the encoders cost (docs/memory.md).
+session's measurement of what the encoders cost (docs/memory_log.md).
 
     python loop.py {float32,int8} N STEPS
 

@@ -1,7 +1,7 @@
 """The AdamW update step of a tree of LEAVES matrices of N parameters each (the gradient an
 argument; parameters and state donated) in a loop of its own: the compiled program's
 temporaries (XLA's memory analysis) and the median and 10th percentile of STEPS synchronised
-steps. The eighteenth session's measurement of the kernel calls' order (docs/memory.md);
+steps. The eighteenth session's measurement of the kernel calls' order (docs/memory_log.md);
 `tree_step_20x1e6.txt` holds its output for f3b25ea and for 2008e6a (PYTHONPATH pointing at
 a checkout of it with its extension built), with and without
 XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false.

@@ -18,7 +18,7 @@ the default 8-bit storage (on CPU the compiled kernel, ``optax_decoupled.cpu_ker
 ``int8-loop`` is the same storage with ``cpu_kernel=False`` (XLA's chunk loop). Likewise
 ``bfloat16`` is the default bfloat16 storage (on CPU the compiled kernel for bfloat16
 moments), ``bfloat16-xla`` the same with ``cpu_kernel=False`` (XLA's own program) and
-``bfloat16-sr`` bfloat16 storage with stochastic rounding (XLA's program). ``--dtypes``
+``bfloat16-sr`` bfloat16 storage with stochastic rounding (on CPU the same kernel). ``--dtypes``
 times a subset (float32 always).
 
 Why blocks: a step right after another program's step is not a training loop's step. On

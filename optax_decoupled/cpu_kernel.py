@@ -626,10 +626,18 @@ def ema_bf16(
     the new float32 moments before they are rounded, written in place of ``g`` (or with
     ``output_in_place=False`` to a buffer of its own), as :func:`requantize_ema` computes it;
     the new moments are written in place of ``stored``. ``after`` as for
-    :func:`requantize_ema`.
+    :func:`requantize_ema`. Where ``update.rounding_step`` is set, the new moments are
+    rounded stochastically instead, moment ``k`` with stream ``k`` of that step, with the
+    bits of :func:`optax_decoupled.storage.stochastic_round_bfloat16`.
     """
     if not available():
         raise RuntimeError(f"the CPU kernel is not available: {unavailable_reason()}")
+    seeds = ()
+    if update.rounding_step is not None:
+        from optax_decoupled.storage import _stochastic_seed
+
+        step = update.rounding_step
+        seeds = (jnp.stack([_stochastic_seed(step, k) for k in range(len(stored))]),)
     out_types, aliases = _results(
         [jax.ShapeDtypeStruct(m.shape, jnp.bfloat16) for m in stored],
         {3 + k: k for k in range(len(stored))},
@@ -646,11 +654,13 @@ def ema_bf16(
         _coefficients(update),
         _output_coefficients(output),
         *stored,
+        *seeds,
         *(() if after is None else (after,)),
         **_layout(update),
         **_output_layout(output),
         emit_old=np.int64(emit_old),
         n_after=np.int64(after is not None),
+        stochastic=np.int64(bool(seeds)),
     )
     n = len(stored)
     if output is not None:

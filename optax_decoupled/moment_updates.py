@@ -38,12 +38,17 @@ class EmaMoments:
       powers: :math:`p_k`, ``1`` (the gradient) or ``2`` (its square), one per decay.
       running_max: whether a last moment keeps the running maximum of :math:`m'_2`.
       max_divisor: :math:`d` (e.g. the bias correction :math:`1-\beta_2^t`), or ``None``.
+      rounding_step: the step count that seeds the stochastic rounding of the stored
+        moments, set by a storage that rounds stochastically
+        (``FloatStorage(..., rounding="stochastic")``) for its kernel; ``None`` otherwise.
+        The update's values do not depend on it.
     """
 
     decays: tuple[Any, ...]
     powers: tuple[int, ...]
     running_max: bool = False
     max_divisor: Any = None
+    rounding_step: Any = None
 
     def __post_init__(self):
         if len(self.decays) != len(self.powers) or not 1 <= len(self.decays) <= 2:
@@ -57,9 +62,12 @@ class EmaMoments:
         """``(arrays, rebuild)``: the coefficients that are arrays (traced or not), and a
         function that returns this update with them replaced by the given values. Python
         numbers stay in place (so ``1 - beta`` is still computed in Python, as before)."""
-        values = (*self.decays, self.max_divisor)
+        values = (*self.decays, self.max_divisor, self.rounding_step)
         return _split(
-            values, lambda v: dataclasses.replace(self, decays=tuple(v[:-1]), max_divisor=v[-1])
+            values,
+            lambda v: dataclasses.replace(
+                self, decays=tuple(v[:-2]), max_divisor=v[-2], rounding_step=v[-1]
+            ),
         )
 
     @property

@@ -73,6 +73,7 @@ import numpy as np
 
 from optax_decoupled import _validation as V
 from optax_decoupled import quantization as quant_lib
+from optax_decoupled.moment_updates import EmaMoments
 
 StateDtype = Any  # None | str | jnp dtype
 
@@ -124,16 +125,28 @@ def update_moments(
     which need it; the others ignore it.
     """
     if getattr(store, "needs_step", False):
-        if step is None:
-            raise ValueError(
-                f"{store!r} rounds stochastically and needs the step count: pass `step` to "
-                "update_moments (the transforms of this package do)."
-            )
+        _require_step(store, step)
         return store.update(fn, stored, operands, like, signed, return_old=return_old, step=step)
     update = getattr(store, "update", None)
     if update is not None:
         return update(fn, stored, operands, like, signed, return_old=return_old)
     return _read_compute_write(store, fn, stored, operands, like, signed, return_old)
+
+
+def _require_step(store: Any, step: Any) -> None:
+    if step is None:
+        raise ValueError(
+            f"{store!r} rounds stochastically and needs the step count: pass `step` to "
+            "update_moments (the transforms of this package do)."
+        )
+
+
+def _with_rounding_step(fn: Any, step: Any) -> Any:
+    """``fn`` carrying the step count that seeds stochastic rounding, where it is an
+    :class:`~optax_decoupled.moment_updates.EmaMoments` (the kernels' update)."""
+    if isinstance(fn, EmaMoments):
+        return dataclasses.replace(fn, rounding_step=jnp.asarray(step))
+    return fn
 
 
 def update_moments_and_output(
@@ -153,7 +166,7 @@ def update_moments_and_output(
     read(stored)`` (e.g. :class:`~optax_decoupled.moment_updates.AdamDirection`).
 
     Where the storage's ``output_kernel(fn, output, stored, g)`` names a compiled CPU kernel
-    (8-bit and bfloat16 storage; not with stochastic rounding, which needs ``step``), that
+    (8-bit and bfloat16 storage, the latter also with stochastic rounding), that
     kernel computes both in one pass on CPU and writes ``u`` in ``g``'s buffer when ``g`` is
     a value the program computes, as in a training step, and where ``g`` is an argument of
     the jitted function to a buffer of its own up to :data:`OUTPUT_BUFFER_MAX_BYTES`
@@ -163,7 +176,10 @@ def update_moments_and_output(
     :class:`KernelOrder` for all leaves of an update) the kernel calls run one after another.
     """
     kernel_for = getattr(store, "output_kernel", None)
-    if kernel_for is not None and not getattr(store, "needs_step", False):
+    if kernel_for is not None:
+        if getattr(store, "needs_step", False):
+            _require_step(store, step)
+            fn = _with_rounding_step(fn, step)  # the kernel's seeds (stochastic rounding)
         kernel = kernel_for(fn, output, tuple(stored), g)
         if kernel is not None:
             after = None if order is None else order.last
@@ -245,7 +261,8 @@ def _kernel_with_output(store, kernel, fn, output, stored, g, signed, after=None
 
     def other(u, ms, ops, o):
         xla_store = dataclasses.replace(store, cpu_kernel=False)
-        written, old = xla_store.update(u, ms, ops, ops[0], signed, return_old=True)
+        seeded = {"step": u.rounding_step} if getattr(store, "needs_step", False) else {}
+        written, old = xla_store.update(u, ms, ops, ops[0], signed, return_old=True, **seeded)
         return written, _output_from(xla_store, u, o, old, ops[0])
 
     def on_argument(u, ms, ops, o, after=None):
@@ -402,15 +419,21 @@ def stochastic_round_bfloat16(x: jax.Array, step: jax.Array, stream: int = 0) ->
     """
     x = jnp.asarray(x, jnp.float32)
     index = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape)  # row-major element index
-    seed = _mix32(
-        jnp.asarray(step).astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + jnp.uint32(stream + 1)
-    )
-    noise = _mix32(index * jnp.uint32(0x27D4EB2F) ^ seed) & jnp.uint32(0xFFFF)
+    noise = _mix32(index * jnp.uint32(0x27D4EB2F) ^ _stochastic_seed(step, stream))
+    noise = noise & jnp.uint32(0xFFFF)
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
     finite = jnp.isfinite(x)  # keeps NaN payloads and infinities as they are
     out = jax.lax.bitcast_convert_type(jnp.where(finite, rounded, bits), jnp.float32)
     return out.astype(jnp.bfloat16)  # exact where finite: the low 16 bits are zero
+
+
+def _stochastic_seed(step: jax.Array, stream: int) -> jax.Array:
+    """The uint32 seed of :func:`stochastic_round_bfloat16`'s bits for ``step`` and ``stream``
+    (the bfloat16 kernel takes these seeds, one per moment, and hashes the index as it does)."""
+    return _mix32(
+        jnp.asarray(step).astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + jnp.uint32(stream + 1)
+    )
 
 
 @stochastic_round_bfloat16.defjvp
@@ -441,7 +464,8 @@ class FloatStorage:
         (:func:`stochastic_round_bfloat16`: up or down with probabilities that make the
         stored value unbiased, seeded by the step count, so that a moment can drift by
         less than half an ulp per step, as ν with ``b2 = 0.999`` does; see
-        ``docs/memory.md``). Stochastic rounding takes XLA's program, not the CPU kernel.
+        ``docs/memory.md``). On CPU the bfloat16 kernel rounds stochastically too, with
+        the same bits.
     """
 
     dtype: Any
@@ -513,18 +537,27 @@ class FloatStorage:
         of a moving-average update, the compiled kernel (in programs compiled for one
         device, like 8-bit storage's; see :mod:`optax_decoupled.cpu_kernel`). With
         stochastic rounding, moment ``k`` of the update is rounded with stream ``k`` of
-        ``step``."""
+        ``step`` (by the kernel too, which gives the same bits)."""
         if self.needs_step:
-            values = fn(*(self.read(s, like) for s in stored), *operands)
-            new = tuple(stochastic_round_bfloat16(v, step, stream=k) for k, v in enumerate(values))
-            return (new, tuple(stored)) if return_old else new
-        plain = functools.partial(_read_compute_write, self, like=like, signed=signed)
-        if not self._kernel_applies(fn, stored, operands, like):
-            return plain(fn, stored, operands, return_old=return_old)
-        from optax_decoupled import cpu_kernel
+            fn = _with_rounding_step(fn, step)
 
-        def xla(u, ms, ops):
-            return plain(u, ms, ops, return_old=return_old)
+            def xla(u, ms, ops):
+                values = u(*(self.read(s, like) for s in ms), *ops)
+                seed_step = u.rounding_step if isinstance(u, EmaMoments) else step
+                new = tuple(
+                    stochastic_round_bfloat16(v, seed_step, stream=k) for k, v in enumerate(values)
+                )
+                return (new, tuple(ms)) if return_old else new
+
+        else:
+            plain = functools.partial(_read_compute_write, self, like=like, signed=signed)
+
+            def xla(u, ms, ops):
+                return plain(u, ms, ops, return_old=return_old)
+
+        if not self._kernel_applies(fn, stored, operands, like):
+            return xla(fn, stored, operands)
+        from optax_decoupled import cpu_kernel
 
         return cpu_kernel.dispatch(
             fn,

@@ -2,7 +2,9 @@
 
 References: a NumPy float32 implementation of the moving averages on the widened bfloat16
 moments (the formula as written, multiplies and adds rounded separately, denormals flushed
-to zero as XLA:CPU computes), rounded to bfloat16 by `ml_dtypes`' nearest-even cast, which
+to zero as XLA:CPU computes), rounded to bfloat16 by `ml_dtypes`' nearest-even cast, or
+stochastically by a NumPy implementation of `storage.stochastic_round_bfloat16`'s bits
+(MurmurHash3's finalizer of the index and a seed from the step, added and truncated), which
 the kernel must match bit for bit; and XLA's own program (`FloatStorage(cpu_kernel=False)`)
 for whole optimizer steps.
 """
@@ -18,7 +20,7 @@ import pytest
 import optax_decoupled as od
 from optax_decoupled import cpu_kernel
 from optax_decoupled.moment_updates import AdamDirection, EmaMoments
-from optax_decoupled.storage import FloatStorage, update_moments
+from optax_decoupled.storage import FloatStorage, stochastic_round_bfloat16, update_moments
 
 try:
     from tests import kernel_checks as K
@@ -98,6 +100,38 @@ def _np_output(direction, update, stored, g):
         g = _ftz(np.asarray(g, f32))
         t = _ftz(_ftz(f32(1 - direction.b1) * g) + _ftz(f32(direction.b1) * old[0]))
         return np.where(t > 0, f32(1), np.where(t < 0, f32(-1), t))
+
+
+def _np_mix32(h):
+    """MurmurHash3's 32-bit finalizer on uint32 arrays (wrapping)."""
+    h = np.asarray(h, np.uint32)
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def _np_stochastic_bf16(x, step, stream):
+    """Stochastic rounding to bfloat16 as documented (storage.stochastic_round_bfloat16): 16
+    bits hashed from the row-major index and a seed of (step, stream) added to the float32
+    bits, then truncated; infinities and NaN rounded to nearest."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(over="ignore"):
+        seed = _np_mix32(
+            np.array([step], np.uint32) * np.uint32(0x9E3779B9) + np.uint32(stream + 1)
+        )
+        index = np.arange(x.size, dtype=np.uint32).reshape(x.shape)
+        noise = _np_mix32((index * np.uint32(0x27D4EB2F)) ^ seed) & np.uint32(0xFFFF)
+        truncated = ((x.view(np.uint32) + noise) >> np.uint32(16)).astype(np.uint16)
+    nearest = x.astype(BF16).view(np.uint16)
+    return np.where(np.isfinite(x), truncated, nearest).view(BF16)
+
+
+def _np_update_stochastic(update, stored, g, step):
+    """The kernel's computation in NumPy float32, rounded stochastically (moment k: stream k)."""
+    new = _np_moments(update, stored, g)[1]
+    return [_np_stochastic_bf16(v, step, k) for k, v in enumerate(new)]
 
 
 def _assert_bits_equal(got, want):
@@ -241,6 +275,110 @@ def test_output_equals_numpy(name, shape, donate):
     np.testing.assert_array_equal(np.asarray(u), want_u)
 
 
+def _extreme_moments(shape):
+    """Moments and a gradient with the values that test the rounding's edges: zeros of both
+    signs, the largest finite bfloat16 (which may carry into infinity), infinities, NaN,
+    denormals and values of every magnitude."""
+    size = int(np.prod(shape))
+    special = np.array(
+        [0.0, -0.0, 3.3895e38, -3.3895e38, np.inf, -np.inf, np.nan, 1e-39, -1e-39, 1.0, -1.0],
+        np.float32,
+    )
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal(size).astype(np.float32) * np.float32(10.0) ** rng.integers(
+        -30, 30, size
+    ).astype(np.float32)
+    base[: special.size] = special
+    mu = jnp.asarray(base.reshape(shape).astype(BF16))
+    nu = jnp.asarray(np.abs(base[::-1]).reshape(shape).astype(BF16))
+    nu_max = jnp.asarray(np.abs(np.roll(base, 3)).reshape(shape).astype(BF16))
+    with np.errstate(over="ignore"):  # the largest values become infinities
+        g = jnp.asarray(np.roll(base, 5).reshape(shape) * np.float32(1e3))
+    return mu, nu, nu_max, g
+
+
+@pytest.mark.parametrize("step", [0, 1, 7, 2**31 - 1])
+def test_xla_stochastic_rounding_equals_numpy(step):
+    """XLA's `stochastic_round_bfloat16` (every platform's, and the CPU's without the kernel)
+    equals the NumPy reference bit for bit, extreme values included."""
+    mu, nu, _, g = _extreme_moments((129, 65))
+    x = np.asarray(g) * np.float32(1.0001)
+    for stream in (0, 1, 2):
+        got = jax.jit(stochastic_round_bfloat16, static_argnums=2)(x, jnp.int32(step), stream)
+        _assert_bits_equal([got], [_np_stochastic_bf16(x, step, stream)])
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(UPDATES))
+@pytest.mark.parametrize(
+    "shape",
+    [(300, 1001), (65536 + 17,), (37, 53), (0,)],
+    ids=["several-tasks", "ragged-task", "small", "empty"],
+)
+@pytest.mark.parametrize("emit_old", [False, True], ids=["new", "emit-old"])
+def test_stochastic_rounding_equals_numpy(name, shape, emit_old):
+    """With `rounding_step` set the kernel rounds each new moment stochastically, moment k
+    with stream k of the step: the NumPy reference's bits, element by element (the index is
+    the element's row-major one, across the kernel's tasks)."""
+    update, k = UPDATES[name]
+    mu, nu, nu_max, g = _state(shape, key=len(name) + 11)
+    stored = (mu, nu, nu_max)[:k]
+    step = 12345
+
+    def call(s, g, step):
+        seeded = EmaMoments(
+            update.decays, update.powers, update.running_max, update.max_divisor, step
+        )
+        return cpu_kernel.ema_bf16(seeded, s, g, emit_old=emit_old)
+
+    got = jax.jit(call)(stored, g, jnp.int32(step))
+    if emit_old:
+        got, old = got
+        _assert_bits_equal(old, stored)
+    _assert_bits_equal(got, _np_update_stochastic(update, stored, g, step))
+    if shape[0] > 1000:  # not the nearest rounding, and another step rounds otherwise
+        nearest = _np_update(update, stored, g)
+        assert any(
+            (a.view(np.uint16) != b.view(np.uint16)).any()
+            for a, b in zip(got, nearest, strict=True)
+        )
+        other = jax.jit(call)(stored, g, jnp.int32(step + 1))
+        other = other[0] if emit_old else other
+        assert any((np.asarray(a) != np.asarray(b)).any() for a, b in zip(got, other, strict=True))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(UPDATES))
+def test_stochastic_rounding_extreme_values_equal_numpy(name):
+    """Zeros, the largest finite values, infinities, NaN, denormals and every magnitude, with
+    stochastic rounding: the NumPy reference's bits."""
+    update, k = UPDATES[name]
+    mu, nu, nu_max, g = _extreme_moments((257, 129))
+    stored = (mu, nu, nu_max)[:k]
+    seeded = EmaMoments(update.decays, update.powers, update.running_max, update.max_divisor, 3)
+    got = jax.jit(lambda s, g: cpu_kernel.ema_bf16(seeded, s, g))(stored, g)
+    _assert_bits_equal(got, _np_update_stochastic(update, stored, g, 3))
+
+
+@needs_kernel
+def test_stochastic_rounding_under_vmap_per_example_steps():
+    """Under `vmap` each example's call rounds with its own step (a batched step count, as a
+    grid of optimizer states has) and its own row-major index, as XLA's program does."""
+    shape = (40, 300)
+    parts = [_state(shape, key=k + 20) for k in range(3)]
+    mu, nu, g = (jnp.stack([p[i] for p in parts]) for i in (0, 1, 3))
+    steps = jnp.array([1, 2, 900], jnp.int32)
+
+    def one(mu, nu, g, step):
+        return cpu_kernel.ema_bf16(EmaMoments((0.9, 0.99), (1, 2), rounding_step=step), (mu, nu), g)
+
+    got = jax.jit(jax.vmap(one))(mu, nu, g, steps)
+    for i, p in enumerate(parts):
+        update = EmaMoments((0.9, 0.99), (1, 2))
+        want = _np_update_stochastic(update, (p[0], p[1]), p[3], int(steps[i]))
+        _assert_bits_equal([x[i] for x in got], want)
+
+
 def _step(tx):
     def step(p, s, g):
         u, s = tx.update(g, s, p)
@@ -263,18 +401,30 @@ def _ulp_index(x):
     return np.where(i < 0, -(i & 0x7FFFFFFF), i)
 
 
+ROUNDINGS = ("nearest", "stochastic")
+
+
+def _kernel_and_xla(name, rounding):
+    """The optimizer with bfloat16 state rounded as asked, with the kernel and without."""
+    return tuple(
+        OPTIMIZERS[name](FloatStorage(jnp.bfloat16, "bfloat16", rounding=rounding, cpu_kernel=k))
+        for k in (True, False)
+    )
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_optimizer_steps_equal_xla(name):
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_optimizer_steps_equal_xla(name, rounding):
     """`state_dtype="bfloat16"` steps with the kernel against XLA's own program: the same
     moments over several steps, up to XLA contracting a multiply-add: one bfloat16 step in a
     few moments in a million. The gradient is an argument, so the kernel computes Adam's
     output in its pass (to a buffer of its own), each operation rounded, where XLA's
     program may contract a multiply-add in it: the parameters agree to a few float32 ulps
-    (Lion's output, a sign, exactly)."""
+    (Lion's output, a sign, exactly). With stochastic rounding the kernel rounds with the
+    bits of XLA's program, so the same holds."""
     params = {"w": jnp.linspace(-1.0, 1.0, 300 * 1001).reshape(300, 1001), "b": jnp.ones(7)}
-    kernel_tx = OPTIMIZERS[name]("bfloat16")
-    xla_tx = OPTIMIZERS[name](FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False))
+    kernel_tx, xla_tx = _kernel_and_xla(name, rounding)
     kernel_step = jax.jit(_step(kernel_tx), donate_argnums=(0, 1))
     xla_step = jax.jit(_step(xla_tx))
     lowered = kernel_step.lower(params, kernel_tx.init(params), params).as_text()
@@ -365,7 +515,8 @@ def test_optimizer_uses_the_kernel_on_one_device_only_on_cpu():
 
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_training_steps_equal_xla(name):
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_training_steps_equal_xla(name, rounding):
     """Training steps computing their gradient (the kernel computes the output in its pass)
     against XLA's own program: as test_optimizer_steps_equal_xla (the gradients of that test
     plus a small multiple of the parameters, so that the step computes them)."""
@@ -378,8 +529,7 @@ def test_training_steps_equal_xla(name):
 
         return jax.jit(step, donate_argnums=(0, 1))
 
-    kernel_tx = OPTIMIZERS[name]("bfloat16")
-    xla_tx = OPTIMIZERS[name](FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False))
+    kernel_tx, xla_tx = _kernel_and_xla(name, rounding)
     kernel_step, xla_step = train(kernel_tx), train(xla_tx)
     text = kernel_step.lower(params, kernel_tx.init(params), 0.0).as_text()
     assert cpu_kernel.BF16_TARGET in text and "out_mode = 0" not in text

@@ -369,7 +369,9 @@ def test_grid_over_devices_and_chunks():
     """On 4 CPU devices (own process): the K axis split over the devices with shard_map, and
     lax.map chunks of any size, give the one-device vmap's results to float rounding; a sharded
     run resumed from its checkpoint equals the uninterrupted one bit for bit and stays sharded;
-    8-bit state with skip_nonfinite trains sharded as on one device."""
+    8-bit state with skip_nonfinite trains sharded as on one device. The results come back on
+    one device, and no program compiled for any of it runs a collective (XLA:CPU's can
+    deadlock: train._off_cpu_mesh)."""
     program = pathlib.Path(__file__).parent / "programs" / "grid_over_devices.py"
     proc = subprocess.run(
         [sys.executable, str(program)], capture_output=True, text=True, timeout=600,
@@ -383,17 +385,20 @@ def test_grid_over_devices_and_chunks():
         "sharded, chunk 1",
         "one device, chunk 3",
     }
+    first_config = out["variants"]["one device, chunk 3"]["first_config"]
     for name, v in out["variants"].items():
-        assert v["param_devices"] == (1 if name.startswith("one device") else 4), name
+        assert v["devices"] == (1 if name.startswith("one device") else 4), name
+        assert v["param_devices"] == 1, name  # handed back on one device
+        assert v["first_config"] == pytest.approx(first_config, rel=1e-5), name
         assert v["loss_diff"] < 1e-5 and v["param_diff"] < 1e-5 and v["val_loss_diff"] < 1e-5, v
     padded = out["padded"]  # K = 5 padded to 8 on 4 devices; the padding is dropped
     assert padded["runs"] == padded["param_rows"] == 5
     assert padded["param_diff"] < 1e-5 and padded["loss_diff"] < 1e-5, padded
     assert out["resume_start"] == 3 and out["resume_bit_identical"]
-    assert out["resumed_param_devices"] == 4
+    assert out["resumed_devices"] == 4 and out["resumed_param_devices"] == 1
     # 8-bit state with skip_nonfinite (apply_if_finite's lax.cond) inside the shard_map.
     int8 = out["int8_skip"]
-    assert int8.get("param_devices") == 4, int8
+    assert int8.get("devices") == 4 and int8.get("param_devices") == 1, int8
     # Not 1e-5 as above: the two programs fuse differently, and a rounding difference that
     # flips one 8-bit code moves a moment by a step of the map, which later steps carry
     # (after 6 steps of lr <= 3e-2, the parameters having moved by up to ~0.2; XLA's
@@ -402,6 +407,9 @@ def test_grid_over_devices_and_chunks():
     # or wrongly sharded run would differ as much as another run does (2.7 here).
     assert int8["param_diff"] < 2e-3, int8
     assert int8["other_run_diff"] > 20 * int8["param_diff"], int8
+    # Not vacuous: the dump holds the programs, the sharded step's among them.
+    assert out["compiled_modules"] > 50 and out["step_modules"] >= 4, out
+    assert out["collective_modules"] == [], out["collective_modules"]
 
 
 def test_config_chunk_resolution():

@@ -400,6 +400,12 @@ class GridResult:
       step_time_s: mean time of one (vmapped) step after the first, evaluation excluded.
       tokens_per_s: ``K * batch_size * seq_len / step_time_s``.
       start_step: step the loop started from (non-zero after a resume).
+      devices: how many devices the steps ran on (the mesh's size of
+        ``TrainConfig.shard_configs``; 1 without one). After a run split over several CPU
+        devices, ``params``, ``rest`` and ``opt_state`` are handed back on the default device,
+        not split: XLA:CPU's collectives, which any program indexing a split array would
+        run, can deadlock (:func:`_off_cpu_mesh`). On accelerators they stay split over the
+        mesh.
     """
 
     runs: list[RunResult]
@@ -412,6 +418,7 @@ class GridResult:
     step_time_s: float
     tokens_per_s: float
     start_step: int = 0
+    devices: int = 1
 
 
 def write_jsonl(
@@ -877,6 +884,29 @@ def _host(tree: PyTree) -> PyTree:
     return jax.tree.map(np.asarray, tree)
 
 
+def _cpu_mesh(mesh: jax.sharding.Mesh) -> bool:
+    return all(d.platform == "cpu" for d in mesh.devices.flat)
+
+
+def _off_cpu_mesh(tree: PyTree) -> PyTree:
+    """``tree``'s arrays, split over a mesh of CPU devices, as arrays of the default device.
+
+    Any program over arrays split across XLA:CPU devices that needs values from more than one
+    device (indexing one configuration of the K axis is a gather followed by an all-reduce)
+    runs XLA:CPU's in-process collectives, and those can deadlock when several such programs
+    wait on the same inputs (every leaf of a tree indexed at once while the last step still
+    runs): one device's half waits in the all-reduce for the other's, which never arrives, and
+    XLA aborts the process after 40 s ("Termination timeout for `all reduce ...`"). Seen with
+    jax 0.10.2 on 2 cores under load: notebook 02 in CI on 2026-12-07, and a standalone
+    script that indexes 40 split leaves right after a step, which deadlocks within seconds
+    while two other processes load the cores, and just as surely with a 100 s timeout (so it
+    is not a slow device). Presumably the CPU client's thread pool fills with one device's
+    halves, leaving the other device's none to run on. CPU devices share the host's memory,
+    so the final state goes back through it, shard by shard, to one device (no program runs).
+    """
+    return jax.tree.map(lambda v: jnp.asarray(np.asarray(v)), tree)
+
+
 def train_grid(
     task: tasks_lib.Task,
     model_config: SSMConfig,
@@ -1167,6 +1197,8 @@ def train_grid(
         runs.append(run)
     if metrics_path is not None and end == steps:
         write_jsonl(metrics_path, [r.to_dict() for r in runs])
+    if mesh is not None and _cpu_mesh(mesh):
+        state = _off_cpu_mesh(state)
     if k_run > k:  # drop the padding
         state = jax.tree.map(lambda v: v[:k] if np.ndim(v) else v, state)
     return GridResult(
@@ -1180,6 +1212,7 @@ def train_grid(
         step_time_s=step_time,
         tokens_per_s=tokens_per_s,
         start_step=start_step,
+        devices=1 if mesh is None else int(mesh.size),
     )
 
 

@@ -6,17 +6,22 @@ split over the 4 devices by ``jax.shard_map`` -- against the same grid on one de
 sharded run stopped at step 3 and resumed from its checkpoint. Prints one JSON object: the
 devices each program used, the largest loss / parameter differences to the one-device vmap,
 whether the resumed run equals the uninterrupted one bit for bit, and the final state's
-shardings.
+shardings; and that none of the programs compiled for it runs a collective.
 """
 
 import dataclasses
 import json
 import os
+import pathlib
+import re
+import shutil
 import sys
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+# Every compiled program's optimized HLO goes to DUMP, to check that none runs a collective.
+DUMP = tempfile.mkdtemp(prefix="grid_over_devices_hlo_")
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + (
+    f" --xla_force_host_platform_device_count=4 --xla_dump_to={DUMP} --xla_dump_hlo_as_text"
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -64,7 +69,11 @@ results = {}
 for name, config in variants.items():
     res = results[name] = run(config)
     out["variants"][name] = {
+        "devices": res.devices,
         "param_devices": len(jax.tree.leaves(res.params)[0].sharding.device_set),
+        # Each configuration's leaves indexed right after training, as compare.run_diagnostics
+        # does: on arrays split over CPU devices, a gather + all-reduce per leaf (see below).
+        "first_config": float(sum(np.sum(x[0]) for x in jax.tree.leaves(res.params))),
         "loss_diff": max_diff(
             [r.train_loss for r in res.runs], [r.train_loss for r in reference.runs]
         ),
@@ -117,6 +126,7 @@ if all(not isinstance(r, str) for r in int8_runs.values()):
         )
 
     out["int8_skip"] = {
+        "devices": int8_runs["sharded"].devices,
         "param_devices": len(jax.tree.leaves(sharded)[0].sharding.device_set),
         "param_diff": max_diff(sharded, alone_int8),
         # The scale of a different run: each sharded run against the other runs on one device.
@@ -138,6 +148,15 @@ with tempfile.TemporaryDirectory() as tmp:
         np.array_equal(a.train_loss, b.train_loss) and a.final == b.final
         for a, b in zip(resumed.runs, full.runs, strict=True)
     )
+    out["resumed_devices"] = resumed.devices
     out["resumed_param_devices"] = len(jax.tree.leaves(resumed.params)[0].sharding.device_set)
+# XLA:CPU's collectives can deadlock (train._off_cpu_mesh): no program of the above, the
+# sharded steps, evaluations, checkpoints and results included, may contain one.
+COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)")
+modules = sorted(pathlib.Path(DUMP).glob("*after_optimizations.txt"))
+out["compiled_modules"] = len(modules)
+out["step_modules"] = sum("jit_step_fn" in m.name for m in modules)
+out["collective_modules"] = [m.name for m in modules if COLLECTIVE.search(m.read_text())]
+shutil.rmtree(DUMP, ignore_errors=True)
 print(json.dumps(out))
 sys.exit(0)

@@ -11,6 +11,13 @@ backend: on a GPU or TPU host the flags change nothing the experiments run on.
   program's element-wise kernels on one core, and separate devices run concurrently.
 
 The CLI, the report and the notebooks call :func:`configure_cpu`; library code never does.
+
+With several CPU devices, keep programs that need values from more than one of them (indexing
+an array split over them, reducing it) out of your own code: XLA:CPU runs them with
+in-process collectives, which can deadlock when several wait on the same computation (XLA
+then aborts after 40 s, "Termination timeout for `all reduce ...`"). Bring such arrays to the
+host first (``np.asarray``); :func:`~optax_decoupled.experiments.train.train_grid` hands its
+results back on one device for this reason (``train._off_cpu_mesh``).
 """
 
 from __future__ import annotations

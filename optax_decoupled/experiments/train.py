@@ -888,6 +888,11 @@ def _cpu_mesh(mesh: jax.sharding.Mesh) -> bool:
     return all(d.platform == "cpu" for d in mesh.devices.flat)
 
 
+def _through_host(tree: PyTree) -> PyTree:
+    """``tree``'s arrays copied through host memory: uncommitted arrays of the default device."""
+    return jax.tree.map(lambda v: jnp.asarray(np.asarray(v)), tree)
+
+
 def _off_cpu_mesh(tree: PyTree) -> PyTree:
     """``tree``'s arrays, split over a mesh of CPU devices, as arrays of the default device.
 
@@ -904,7 +909,7 @@ def _off_cpu_mesh(tree: PyTree) -> PyTree:
     halves, leaving the other device's none to run on. CPU devices share the host's memory,
     so the final state goes back through it, shard by shard, to one device (no program runs).
     """
-    return jax.tree.map(lambda v: jnp.asarray(np.asarray(v)), tree)
+    return _through_host(tree)
 
 
 def train_grid(
@@ -993,6 +998,7 @@ def train_grid(
         make_tx = _skip_nonfinite_make_tx(make_tx, config.max_consecutive_nonfinite)
     graphdef = model_graphdef(model_config)
     mesh = config_mesh(k, config.shard_configs)
+    devices = 1 if mesh is None else int(mesh.size)
     chunk = resolve_config_chunk(config.config_chunk)
     opt_init, step_fn = _programs(graphdef, task, make_tx, chunk, mesh)
     # Padding so that the mesh divides the grid: copies of the last configuration, dropped
@@ -1032,7 +1038,7 @@ def train_grid(
         "evaluation": {"eval_every": config.eval_every, "eval_splits": list(config.eval_splits)},
         # How the K configurations were laid out: a resume with another layout computes the
         # same steps with other float rounding (another vmap/lax.map split).
-        "layout": {"devices": 1 if mesh is None else int(mesh.size), "config_chunk": chunk},
+        "layout": {"devices": devices, "config_chunk": chunk},
     }
     if checkpoint_dir is not None:  # one configuration's optimizer (see the resume check)
         one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
@@ -1068,7 +1074,7 @@ def train_grid(
         # Through host memory, so the arrays are uncommitted like freshly initialised ones and
         # the cached step program is reused instead of recompiled for committed inputs.
         _truncate_metrics(metrics_path, saved_meta.get("metrics"))
-        state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), restored["state"])
+        state = _through_host(restored["state"])
         state = _place(state, mesh)
         history = {n: np.array(v) for n, v in restored["history"].items()}
         evals = saved_meta["evals"]
@@ -1178,6 +1184,8 @@ def train_grid(
     final.pop("skipped_steps", None)  # reported as RunResult.skipped_steps
     skipped = _skipped_steps(state.opt_state) if config.skip_nonfinite else None
     wall = time.perf_counter() - t_start
+    if mesh is not None and _cpu_mesh(mesh):
+        state = _off_cpu_mesh(state)
     host_params = _host(state.params) if keep_params else None
     runs = []
     for i in range(k):
@@ -1197,8 +1205,6 @@ def train_grid(
         runs.append(run)
     if metrics_path is not None and end == steps:
         write_jsonl(metrics_path, [r.to_dict() for r in runs])
-    if mesh is not None and _cpu_mesh(mesh):
-        state = _off_cpu_mesh(state)
     if k_run > k:  # drop the padding
         state = jax.tree.map(lambda v: v[:k] if np.ndim(v) else v, state)
     return GridResult(
@@ -1212,7 +1218,7 @@ def train_grid(
         step_time_s=step_time,
         tokens_per_s=tokens_per_s,
         start_step=start_step,
-        devices=1 if mesh is None else int(mesh.size),
+        devices=devices,
     )
 
 

@@ -1,7 +1,8 @@
 """The timing loop shared by the measurement scripts in the folders beside this file
-(encoder_bound/loop.py, kernel_order/tree_step.py and kernel_order/update_loop.py): an
-optimizer's update + apply_updates, jitted with the parameters and the state donated, the
-gradient an argument, timed step by step in a loop of its own."""
+(encoder_bound/loop.py, kernel_order/tree_step.py and kernel_order/update_loop.py; the step
+alone by lion_order/barrier.py): an optimizer's update + apply_updates, jitted with the
+parameters and the state donated, the gradient an argument, timed step by step in a loop of
+its own."""
 
 import time
 

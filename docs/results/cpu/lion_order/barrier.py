@@ -10,6 +10,7 @@ times the steps in turns (blocks of 5, the first of each not counted).
     python docs/results/cpu/lion_order/barrier.py 1e7
 """
 
+import pathlib
 import sys
 import time
 
@@ -20,17 +21,16 @@ import optax
 
 import optax_decoupled as od
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from step_loop import donated_update_step  # noqa: E402
+
 N = int(float(sys.argv[1])) if len(sys.argv) > 1 else 10**7
 LR, B1, B2 = 1e-4, 0.9, 0.99
 SHAPE = (N // 1000, 1000)
 
 
 def optax_step(tx):
-    def step(p, s, g):
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    return jax.jit(step, donate_argnums=(0, 1)), tx.init
+    return donated_update_step(tx), tx.init
 
 
 def barrier_step(sign_dtype):

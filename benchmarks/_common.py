@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 import optax_decoupled as od
-from optax_decoupled.packing import PackedLayout, packed, packed_layout
+from optax_decoupled._src.packing import PackedLayout, packed, packed_layout
 
 # ---------------------------------------------------------------------------------------------
 # Layouts
@@ -137,7 +137,7 @@ def _fresh(tree: Any) -> Any:
 def jax_contender(name: str, params: Any, grads: Any) -> JaxStep:
     """Builds one of :data:`JAX_CONTENDERS` for a parameter pytree (copied: steps donate)."""
     n = num_params(params)
-    if name == "od.packed(adamw) flat":
+    if name == "od.contrib.packed(adamw) flat":
         # Parameters, gradients and updates kept packed by the user (see docs/performance.md).
         layout = od_packed_layout(params)
         tx = od.adamw(LR, weight_decay=WD, mask=layout.mask)
@@ -160,8 +160,8 @@ JAX_CONTENDERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "optax.adamw (again)": lambda: optax.adamw(LR, weight_decay=WD),
     "od.adamw": lambda: od.adamw(LR, weight_decay=WD),
     "od.adamw(mask=None)": lambda: od.adamw(LR, weight_decay=WD, mask=None),
-    "od.packed(adamw)": lambda: packed(od.adamw)(LR, weight_decay=WD),
-    "od.packed(adamw) all leaves": lambda: packed(od.adamw, max_leaf_size=None)(
+    "od.contrib.packed(adamw)": lambda: packed(od.adamw)(LR, weight_decay=WD),
+    "od.contrib.packed(adamw) all leaves": lambda: packed(od.adamw, max_leaf_size=None)(
         LR, weight_decay=WD
     ),
     "od.amsgrad": lambda: od.amsgrad(LR, weight_decay=WD),
@@ -170,7 +170,7 @@ JAX_CONTENDERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     # Not an optimizer to compare: ``params - lr * grads``, one kernel per leaf. Any step that
     # takes and returns pytree parameters writes each leaf with at least one kernel (XLA does
     # not fuse outputs of different shapes), so this is the floor of every pytree step,
-    # `od.packed` included; flat parameters are not bound by it.
+    # `od.contrib.packed` included; flat parameters are not bound by it.
     "floor: optax.sgd": lambda: optax.sgd(LR),
 }
 

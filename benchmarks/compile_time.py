@@ -24,8 +24,8 @@ import _common as C  # noqa: E402
 CONTENDERS = [
     "optax.adamw",
     "od.adamw",
-    "od.packed(adamw)",
-    "od.packed(adamw) flat",
+    "od.contrib.packed(adamw)",
+    "od.contrib.packed(adamw) flat",
     "optax.flatten(adamw)",
 ]
 

@@ -27,7 +27,7 @@ import numpy as np
 import optax
 
 import optax_decoupled as od
-from optax_decoupled import storage as S
+from optax_decoupled._src import storage as S
 
 CASES = {
     "bfloat16 state": (lambda: S.FloatStorage(jnp.bfloat16, "bfloat16", cpu_kernel=False), "f32"),

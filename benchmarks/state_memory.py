@@ -71,7 +71,7 @@ import optax
 
 import optax_decoupled as od
 from optax_decoupled import cpu_kernel, memory
-from optax_decoupled.storage import BlockwiseInt8Storage, FloatStorage
+from optax_decoupled._src.storage import BlockwiseInt8Storage, FloatStorage
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

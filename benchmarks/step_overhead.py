@@ -30,7 +30,7 @@ import jax
 import optax
 
 import optax_decoupled as od
-from optax_decoupled.packing import packed_layout
+from optax_decoupled._src.packing import packed_layout
 
 
 def _contenders(params, grads):

@@ -46,9 +46,9 @@ import _common as C  # noqa: E402
 DEFAULT_JAX = [
     "optax.adamw",
     "od.adamw",
-    "od.packed(adamw)",
-    "od.packed(adamw) all leaves",
-    "od.packed(adamw) flat",
+    "od.contrib.packed(adamw)",
+    "od.contrib.packed(adamw) all leaves",
+    "od.contrib.packed(adamw) flat",
     "od.amsgrad",
     "od.lion",
     "optax.lion",
@@ -72,8 +72,8 @@ TORCH = [
 #: per-leaf floor of pytree steps and Optax built again (the run's noise floor).
 PACKED_TARGET = [
     "optax.adamw",
-    "od.packed(adamw)",
-    "od.packed(adamw) flat",
+    "od.contrib.packed(adamw)",
+    "od.contrib.packed(adamw) flat",
     "floor: optax.sgd",
     "optax.adamw (again)",
 ]
@@ -213,7 +213,7 @@ def run_group(n_leaves: int, n: int, jax_names, torch_names, args) -> dict:
     inner = max(1, int(2e6 // n)) if not args.gpu else max(10, int(2e9 // n))
 
     for name in jax_names:
-        if name not in C.JAX_CONTENDERS and name != "od.packed(adamw) flat":
+        if name not in C.JAX_CONTENDERS and name != "od.contrib.packed(adamw) flat":
             continue
         if not args.contenders and n_leaves > 1:
             if name in SINGLE_LEAF_ONLY:

@@ -106,7 +106,7 @@ def test_state_memory_times_other_optimizers(state_memory, optimizer):
     8-bit state holds its moments (AMSGrad three, Lion one) at about a quarter of float32's."""
     import jax.numpy as jnp
 
-    from optax_decoupled import memory
+    from optax_decoupled._src import memory
 
     out = state_memory.bench_size(
         (8, 1024), 1, "blocks", ("float32", "int8"), "update", 2, optimizer=optimizer

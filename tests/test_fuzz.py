@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import optax_decoupled as od
-from optax_decoupled import storage
+from optax_decoupled._src import storage
 
 DOC = pathlib.Path(__file__).parent.parent / "docs" / "bad_input.md"
 PARAMS = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
@@ -230,17 +230,17 @@ CASES: dict[str, Case] = {
         ),
     ),
     "packed-other-params": Case(
-        "`od.packed`: parameters other than those `init` was given (another shape, dtype or "
+        "`od.contrib.packed`: parameters other than those `init` was given (another shape, dtype or "
         "structure; also when their leaves would fill the same buffers)",
-        lambda: od.packed(od.adamw)(1e-3).update(
+        lambda: od.contrib.packed(od.adamw)(1e-3).update(
             {"a": jnp.ones(5), "b": jnp.ones(3)},
-            od.packed(od.adamw)(1e-3).init({"a": jnp.ones(3), "b": jnp.ones(5)}),
+            od.contrib.packed(od.adamw)(1e-3).init({"a": jnp.ones(3), "b": jnp.ones(5)}),
             {"a": jnp.ones(5), "b": jnp.ones(3)},
         ),
     ),
     "packed-grads-shape": Case(
-        "`od.packed`: a gradient leaf of another shape than its parameter (a transposed one too)",
-        lambda: _update(od.packed(od.adamw)(1e-3), {"w": jnp.ones((3, 2)), "b": jnp.ones(3)}),
+        "`od.contrib.packed`: a gradient leaf of another shape than its parameter (a transposed one too)",
+        lambda: _update(od.contrib.packed(od.adamw)(1e-3), {"w": jnp.ones((3, 2)), "b": jnp.ones(3)}),
     ),
     "grads-shape-8bit": Case(
         "a gradient leaf that fills another number of blocks than its 8-bit moment, `update` "

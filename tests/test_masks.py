@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import optax_decoupled as od
-from optax_decoupled import masks
+from optax_decoupled._src import masks
 
 
 def linen_params():

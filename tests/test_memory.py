@@ -7,10 +7,10 @@ import optax
 import pytest
 
 import optax_decoupled as od
-from optax_decoupled import memory
-from optax_decoupled import storage as S
+from optax_decoupled._src import memory
+from optax_decoupled._src import storage as S
+from optax_decoupled._src.quantization import QuantizedArray
 from optax_decoupled.experiments import memory_report as R
-from optax_decoupled.quantization import QuantizedArray
 
 PARAMS = {"w": jnp.ones((512, 256)), "b": jnp.ones((256,))}  # 131072 + 256
 N = 512 * 256 + 256

@@ -34,7 +34,7 @@ heavy = {HEAVY!r}
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in heavy)
 assert not loaded, f"importing optax_decoupled loaded {{loaded}}"
 assert not any(m.startswith("optax_decoupled.experiments") for m in sys.modules)
-# The public submodules are attributes after a plain import (the docstrings' `od.sharding...`
+# The public submodules are attributes after a plain import (the docstrings' `od.contrib...`
 # and the README's `optax_decoupled.memory.state_bytes` raised AttributeError).
 for name, attr in [("sharding", "jit_init"), ("memory", "state_bytes"),
                    ("diagnostics", "effective_decay"), ("cpu_kernel", "available"),

@@ -22,7 +22,7 @@ import optax
 import pytest
 
 import optax_decoupled as od
-from optax_decoupled.packing import PackedState, packed, packed_layout
+from optax_decoupled._src.packing import PackedState, packed, packed_layout
 
 STEPS = 20
 SCHED = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 4, 40)
@@ -436,14 +436,14 @@ def test_signature_is_the_factory_s():
 
 
 def test_module_and_function_names_are_distinct():
-    # Issue #7: the function `od.packed` used to shadow a module of the same name.
+    # Issue #7: the function `od.contrib.packed` used to shadow a module of the same name.
     import importlib
 
-    import optax_decoupled.packing as packing_module
+    import optax_decoupled._src.packing as packing_module
 
-    assert callable(od.packed) and od.packed is packing_module.packed
+    assert callable(od.contrib.packed) and od.contrib.packed is packing_module.packed
     assert importlib.import_module("optax_decoupled.packing") is od.packing
-    assert od.PackedState is PackedState and od.PACKED_MASK is packing_module.PACKED_MASK
+    assert od.contrib.PackedState is PackedState and od.contrib.PACKED_MASK is packing_module.PACKED_MASK
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("optax_decoupled.packed")
 
@@ -452,13 +452,13 @@ def test_state_shardings_of_a_packed_optimizer_is_a_clear_error():
     """Packed state has no per-parameter moments to place (packed optimizers are for
     unsharded parameters): sharding.state_shardings/jit_init say so instead of failing on a
     pytree mismatch, also inside chain and inject_hyperparams."""
-    from optax_decoupled import sharding
+    from optax_decoupled._src import sharding
 
     params = {"w": jnp.ones((8, 8)), "b": jnp.ones(8)}
     for tx in (
-        od.packed(od.adamw)(1e-3),
-        optax.chain(optax.clip(1.0), od.packed(od.lion)(1e-3)),
-        optax.inject_hyperparams(od.packed(od.adamw))(learning_rate=1e-3),
+        od.contrib.packed(od.adamw)(1e-3),
+        optax.chain(optax.clip(1.0), od.contrib.packed(od.lion)(1e-3)),
+        optax.inject_hyperparams(od.contrib.packed(od.adamw))(learning_rate=1e-3),
     ):
         with pytest.raises(ValueError, match="this optimizer is packed"):
             sharding.jit_init(tx, params)

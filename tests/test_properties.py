@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import optax_decoupled as od
-from optax_decoupled import storage
+from optax_decoupled._src import storage
 
 # 8-bit storage that quantizes even these tiny test tensors (blocks of 8, padded).
 INT8_ALL = storage.BlockwiseInt8Storage(block_size=8, min_size=0)

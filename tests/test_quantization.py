@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from optax_decoupled import quantization as Q
+from optax_decoupled._src import quantization as Q
 
 GOLDEN = np.load(os.path.join(os.path.dirname(__file__), "golden", "bnb_dynamic_maps.npz"))
 MAPS = {"signed": True, "unsigned": False}

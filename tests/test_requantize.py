@@ -10,8 +10,8 @@ import pytest
 
 import optax_decoupled as od
 from optax_decoupled import cpu_kernel
-from optax_decoupled import quantization as Q
-from optax_decoupled import storage as S
+from optax_decoupled._src import quantization as Q
+from optax_decoupled._src import storage as S
 
 
 def _adam_like(mu, nu, g):
@@ -119,7 +119,7 @@ def test_array_coefficients_in_the_chunked_loop(b2_shape, running_max):
     loop handed the update ``(chunk, B)`` blocks, against which a ``(512,)`` or ``(32, 512)``
     b2 raised a broadcasting error (any leaf over 131,072 elements with array b1/b2 and
     8-bit state). The coefficients now travel with the gradient."""
-    from optax_decoupled.moment_updates import EmaMoments
+    from optax_decoupled._src.moment_updates import EmaMoments
 
     shape, block = (32, 512), 256
     _, mu, nu, g = _inputs(32 * 512, block)

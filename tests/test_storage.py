@@ -17,8 +17,8 @@ import optax
 import pytest
 
 import optax_decoupled as od
-from optax_decoupled import quantization as Q
-from optax_decoupled import storage as S
+from optax_decoupled._src import quantization as Q
+from optax_decoupled._src import storage as S
 
 try:
     from tests import reference as ref
@@ -627,7 +627,7 @@ SHARDING_SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import optax_decoupled as od
-    from optax_decoupled import quantization as Q
+    from optax_decoupled._src import quantization as Q
 
     assert jax.device_count() == 8
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -645,7 +645,7 @@ SHARDING_SCRIPT = textwrap.dedent(
     # (which rounds like NumPy, not like XLA); programs for several devices take XLA's
     # partitionable loop, so the reference takes it too.
     from optax_decoupled import cpu_kernel
-    from optax_decoupled.storage import BlockwiseInt8Storage
+    from optax_decoupled._src.storage import BlockwiseInt8Storage
     tx_loop = od.adamw(1e-2, weight_decay=0.1, state_dtype=BlockwiseInt8Storage(cpu_kernel=False))
     ref_p, ref_s = params, tx_loop.init(params)
     for _ in range(3):
@@ -665,7 +665,7 @@ SHARDING_SCRIPT = textwrap.dedent(
     ss = jax.tree.map(place, state, is_leaf=is_q)
     assert ss[0].mu["w"].codes.shape == (128, 256)
     # sharding.jit_init lays it out the same way.
-    from optax_decoupled import sharding
+    from optax_decoupled._src import sharding
     js = sharding.jit_init(tx, sp)
     assert js[0].nu["w"].codes.sharding.spec == P("data", None), js[0].nu["w"].codes.sharding
     assert js[0].nu["w"].absmax.sharding.spec == P("data")

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_decoupled as od
-from optax_decoupled.sharding import jit_init, state_shardings
+from optax_decoupled.contrib import jit_init, state_shardings
 
 # One mesh axis used for both the batch (data parallel) and the weights' leading axis (FSDP).
 n = jax.device_count()

@@ -29,8 +29,8 @@ import numpy as np
 import optax
 
 import optax_decoupled as od
-from optax_decoupled import memory
-from optax_decoupled import storage as storage_lib
+from optax_decoupled._src import memory
+from optax_decoupled._src import storage as storage_lib
 from optax_decoupled.experiments import report
 from optax_decoupled.experiments.formatting import number
 

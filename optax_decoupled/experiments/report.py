@@ -53,7 +53,6 @@ def environment() -> dict[str, Any]:
     import optax
 
     import optax_decoupled
-    from optax_decoupled import cpu_kernel
 
     devices = jax.devices()
     return {
@@ -66,9 +65,6 @@ def environment() -> dict[str, Any]:
         "devices": [str(d) for d in devices],
         "device_kind": devices[0].device_kind,
         "cpu_count": os.cpu_count(),
-        # Whether the compiled CPU kernels for 8-bit and bfloat16 state are built
-        # (optax_decoupled.cpu_kernel); whether a run used them: "cpu_kernel_calls_compiled".
-        "cpu_kernel": cpu_kernel.available(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -293,10 +289,9 @@ def run_report(
     for part in parts:  # every conflict before any part runs (not after the earlier ones)
         check_output(part, scale, out / part, force=force)
     xla_setup.configure_cpu()  # before any JAX work: fast loops, a CPU device per core
-    from optax_decoupled import cpu_kernel
 
     docs, walls = {}, {}
-    t0, kernel_calls0 = time.perf_counter(), cpu_kernel.calls_compiled()
+    t0 = time.perf_counter()
     for part in parts:
         log(f"[report] {part} ({scale}) ...")
         doc, wall, skipped = run_part(
@@ -321,15 +316,6 @@ def run_report(
     sections = [rendered[p] for p in ordered]
     walls = {p: walls[p] for p in ordered}
     env = environment()
-    # Kernel calls compiled into this invocation's programs (0: its 8-bit and bfloat16 runs
-    # took XLA's programs, e.g. inside shard_map over several CPU devices).
-    env["cpu_kernel_calls_compiled"] = cpu_kernel.calls_compiled() - kernel_calls0
-    kernels = (
-        f"CPU kernels for 8-bit/bfloat16 state built, {env['cpu_kernel_calls_compiled']} "
-        "kernel call(s) compiled into this invocation's programs"
-        if env["cpu_kernel"]
-        else "CPU kernels for 8-bit/bfloat16 state not built"
-    )
     rows = "\n".join(
         f"| {p} | {w:.1f} s{' (from an earlier run)' if s else ''} |" for p, (w, s) in walls.items()
     )
@@ -338,7 +324,6 @@ def run_report(
         f"optax-decoupled {env['optax_decoupled']}, JAX {env['jax']} (jaxlib {env['jaxlib']}), "
         f"Optax {env['optax']}, Python {env['python']}; device: {env['device_kind']} "
         f"({env['backend']}, {len(env['devices'])} device(s)), {env['cpu_count']} CPU cores, "
-        f"{kernels}; "
         f"generated {env['date']}.\n\n"
         "Every number and figure below was measured by this run (or, where marked, by an "
         "earlier run of the same scale that this one resumed or included; its environment is "

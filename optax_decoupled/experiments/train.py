@@ -47,7 +47,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from optax_decoupled import _validation as V
+from optax_decoupled._src import validation as V
 from optax_decoupled.experiments import tasks as tasks_lib
 from optax_decoupled.experiments.ssm import Mamba2Model, SSMConfig
 

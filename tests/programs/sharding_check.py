@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_decoupled as od  # noqa: E402
 from optax_decoupled import sharding, storage  # noqa: E402
-from optax_decoupled.quantization import QuantizedArray  # noqa: E402
+from optax_decoupled._src.quantization import QuantizedArray  # noqa: E402
 
 ALIASES = {
     "adamw": lambda sd: od.adamw(1e-3, weight_decay=0.1, state_dtype=sd),

@@ -1,0 +1,328 @@
+r"""The optimizers people use, as short chains of the public transforms.
+
+=================  ============================================================================
+alias              chain
+=================  ============================================================================
+:func:`adam_l2`    ``add_l2_gradient`` → ``scale_by_adam`` → ``scale_by_learning_rate``
+                   (coupled L2: ``torch.optim.Adam(weight_decay=λ)``)
+:func:`adamw`      ``scale_by_adam`` → ``scale_by_learning_rate`` → ``decoupled_weight_decay``
+                   (``torch.optim.AdamW``, ``optax.adamw``)
+:func:`amsgrad`    either of the above with ``scale_by_adam(amsgrad=variant)``
+:func:`lion`       ``scale_by_lion`` → ``scale_by_learning_rate`` → ``decoupled_weight_decay``
+=================  ============================================================================
+
+.. important::
+
+   The default ``mask="auto"`` decays **weight matrices only** (no biases, norm scales,
+   embeddings, ``A_log``/``D``/``dt_bias``; see :mod:`optax_decoupled.masks`). PyTorch decays
+   every parameter of a group and ``optax.adamw`` every leaf unless given a mask. Pass
+   ``mask=None`` to reproduce them exactly.
+
+Every hyperparameter accepts a float or an array (which must broadcast to every parameter's
+shape without changing it), and the learning rate and the weight decay also an ``optax``
+schedule (a function of the step count); all aliases work inside
+``optax.inject_hyperparams`` (learning rate and weight decay can be injected and
+``jax.vmap``-ed), ``optax.MultiSteps``, ``optax.apply_if_finite`` and ``optax.chain``.
+
+Concrete hyperparameters are checked when the alias is called (a ``ValueError`` naming the
+argument). A schedule's values are checked at each step, like a number, where they are
+concrete: in an eager ``update`` (``od.adamw(lambda count: -1e-3)`` raises there instead of
+ascending the gradient). Under ``jax.jit`` the step count, hence the schedule's value, is traced
+and **not checked**, as for any traced hyperparameter.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_decoupled._src import masks as masks_lib
+from optax_decoupled._src import storage as storage_lib
+from optax_decoupled._src import transforms
+from optax_decoupled._src import validation as V
+
+
+def _check_lr(learning_rate: Any) -> None:
+    if not callable(learning_rate):
+        V.check_non_negative("learning_rate", learning_rate)
+
+
+def _scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+    """``optax.scale_by_learning_rate`` (same state), with a ``ValueError`` where the learning
+    rate's shape would change an update's by broadcasting: checked up front for an array
+    (:func:`~optax_decoupled.transforms.check_hyperparameter_shapes`), on the scaled updates
+    for a schedule (not called twice, nor traced where the update runs eagerly). A schedule's
+    value is checked (>= 0, finite) where it is concrete, i.e. in an eager update."""
+    if callable(learning_rate):  # the schedule's value checked at each step, as the decay's
+        inner = optax.scale_by_learning_rate(
+            functools.partial(transforms._at, "learning_rate", learning_rate)
+        )
+    else:
+        inner = optax.scale_by_learning_rate(learning_rate)
+
+    def update_fn(updates, state, params=None):
+        if not callable(learning_rate):
+            transforms.check_hyperparameter_shapes(
+                "scale_by_learning_rate", {"learning_rate": learning_rate}, updates
+            )
+        scaled, state = inner.update(updates, state, params)
+        leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
+        for (path, u), v in zip(leaves, jax.tree.leaves(scaled), strict=True):
+            if jnp.shape(v) != jnp.shape(u):
+                raise ValueError(
+                    f"scale_by_learning_rate: `learning_rate` (a schedule) changed the shape "
+                    f"of the update at {jax.tree_util.keystr(path)} from {jnp.shape(u)} to "
+                    f"{jnp.shape(v)}; hyperparameters must be scalars or arrays that "
+                    "broadcast to every parameter's shape."
+                )
+        return scaled, state
+
+    return optax.GradientTransformation(inner.init, update_fn)
+
+
+def adam_l2(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    weight_decay: optax.ScalarOrSchedule,
+    amsgrad: str | None = None,
+    mask: masks_lib.MaskArg = "auto",
+    eps_root: float = 0.0,
+    state_dtype: storage_lib.StateDtype = None,
+) -> optax.GradientTransformation:
+    r"""Adam with **coupled** L2 regularisation (the gradient gets :math:`+\lambda\theta`).
+
+    .. math::
+
+        g_t' = g_t + \lambda\theta_t, \qquad
+        \theta_{t+1} = \theta_t - \eta_t\,\frac{\hat\mu_t}{\sqrt{\hat\nu_t}+\epsilon}
+        \quad\text{(moments of } g'\text{)}
+
+    The penalty passes through the adaptive scaling, so its effective strength per element is
+    :math:`\eta_t\lambda/(\sqrt{\hat\nu_t}+\epsilon)`: strong where gradients are small, weak
+    where they are large (Loshchilov & Hutter, ICLR 2019).
+
+    With ``mask=None`` this is exactly ``torch.optim.Adam(lr, (b1, b2), eps,
+    weight_decay=λ, amsgrad=...)`` (``amsgrad="pytorch"`` for ``amsgrad=True``) and
+    ``optax.chain(optax.add_decayed_weights(λ), optax.adam(lr, b1, b2, eps))``.
+
+    Args:
+      learning_rate: :math:`\eta_t \ge 0`, float, array or schedule.
+      b1, b2, eps, eps_root: see :func:`~optax_decoupled.scale_by_adam`.
+      weight_decay: :math:`\lambda \ge 0` (float, array or schedule). Required.
+      amsgrad: ``None`` or an AMSGrad convention (``"pytorch"``, ``"optax"``, ``"paper"``).
+      mask: which leaves are regularised (default ``"auto"``: weight matrices only).
+      state_dtype: storage of the moments (:mod:`optax_decoupled.storage`).
+    """
+    _check_lr(learning_rate)
+    return optax.chain(
+        transforms.add_l2_gradient(weight_decay, mask=mask),
+        transforms.scale_by_adam(b1, b2, eps, eps_root, amsgrad=amsgrad, state_dtype=state_dtype),
+        _scale_by_learning_rate(learning_rate),
+    )
+
+
+def adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    weight_decay: optax.ScalarOrSchedule = 1e-2,
+    amsgrad: str | None = None,
+    decay_convention: str = "lr",
+    peak_learning_rate: Any = None,
+    mask: masks_lib.MaskArg = "auto",
+    eps_root: float = 0.0,
+    state_dtype: storage_lib.StateDtype = None,
+) -> optax.GradientTransformation:
+    r"""AdamW: Adam with **decoupled** weight decay (Loshchilov & Hutter, ICLR 2019).
+
+    .. math::
+
+        \theta_{t+1} = \theta_t - \eta_t\,\frac{\hat\mu_t}{\sqrt{\hat\nu_t}+\epsilon}
+                       - s_t\,\theta_t
+
+    with :math:`s_t` given by ``decay_convention`` (see
+    :func:`~optax_decoupled.decoupled_weight_decay`): ``"lr"`` :math:`\lambda\eta_t` (default;
+    PyTorch and Optax), ``"schedule"`` :math:`\lambda\eta_t/\eta_{peak}` (the paper's Alg. 2),
+    ``"constant"`` :math:`\lambda`, ``"corrected"`` :math:`\lambda\eta_t^2/\eta_{peak}`.
+
+    With ``mask=None`` and ``decay_convention="lr"`` this is ``torch.optim.AdamW`` (with
+    ``amsgrad="pytorch"``: ``AdamW(amsgrad=True)``) and ``optax.adamw`` for the same
+    hyperparameters; the results agree to float rounding (the decay is added after, not
+    before, the multiplication by :math:`-\eta_t`).
+
+    .. note:: the default ``mask="auto"`` differs from both: it decays weight matrices only.
+
+    Args:
+      learning_rate: :math:`\eta_t \ge 0`, float, array or schedule.
+      b1, b2, eps, eps_root: see :func:`~optax_decoupled.scale_by_adam`.
+      weight_decay: :math:`\lambda \ge 0` (float, array or schedule).
+      amsgrad: ``None`` or an AMSGrad convention (``"pytorch"``, ``"optax"``, ``"paper"``).
+      decay_convention: ``"lr"``, ``"schedule"``, ``"constant"`` or ``"corrected"``.
+      peak_learning_rate: :math:`\eta_{peak}` for ``"schedule"``/``"corrected"`` with a
+        scheduled or injected learning rate. ``"lr"`` and ``"constant"`` ignore it; a value
+        given there is still checked (> 0, finite) but changes nothing, so one set of
+        arguments can be swept over every convention.
+      mask: which leaves are decayed (default ``"auto"``).
+      state_dtype: storage of the moments (:mod:`optax_decoupled.storage`).
+    """
+    _check_lr(learning_rate)
+    V.check_choice("decay_convention", decay_convention, transforms.DECAY_CONVENTIONS)
+    return optax.chain(
+        transforms.scale_by_adam(b1, b2, eps, eps_root, amsgrad=amsgrad, state_dtype=state_dtype),
+        _scale_by_learning_rate(learning_rate),
+        transforms.decoupled_weight_decay(
+            weight_decay,
+            convention=decay_convention,
+            learning_rate=learning_rate,
+            peak_learning_rate=peak_learning_rate,
+            mask=mask,
+        ),
+    )
+
+
+def amsgrad(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    variant: str = "pytorch",
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    coupled: bool = False,
+    decay_convention: str = "lr",
+    peak_learning_rate: Any = None,
+    mask: masks_lib.MaskArg = "auto",
+    eps_root: float = 0.0,
+    state_dtype: storage_lib.StateDtype = None,
+) -> optax.GradientTransformation:
+    r"""AMSGrad (Reddi, Kale & Kumar, "On the Convergence of Adam and Beyond", ICLR 2018).
+
+    Adam whose denominator uses the running maximum of the second moment, so the effective
+    per-element step size never grows; this restores the convergence proof that Adam lacks.
+    The three published conventions (``variant``) differ in where the max is taken:
+    ``"pytorch"`` (max of raw ν, then bias correction: ``torch.optim.AdamW(amsgrad=True)``),
+    ``"optax"`` (max of bias-corrected ν: ``optax.amsgrad``), ``"paper"`` (no bias
+    correction). See :func:`~optax_decoupled.scale_by_adam` for the formulas.
+
+    ``weight_decay`` is decoupled (:func:`adamw`) unless ``coupled=True`` (:func:`adam_l2`).
+    With ``variant="optax"``, ``weight_decay=0`` and ``mask=None`` this equals
+    ``optax.amsgrad``.
+
+    Args:
+      learning_rate: :math:`\eta_t \ge 0`, float, array or schedule.
+      b1, b2, eps, eps_root: see :func:`~optax_decoupled.scale_by_adam`.
+      variant: where the running maximum of :math:`\nu` is taken: ``"pytorch"`` (default;
+        max of the raw :math:`\nu_t`, then bias correction), ``"optax"`` (max of the
+        bias-corrected :math:`\hat\nu_t`) or ``"paper"`` (max of the raw :math:`\nu_t`, no
+        bias correction of either moment). ``None`` is refused: use :func:`adamw` or
+        :func:`adam_l2` for plain Adam.
+      weight_decay: :math:`\lambda \ge 0` (float, array or schedule); default 0.
+      coupled: a bool. ``False`` (default): decoupled decay after the learning rate, as
+        :func:`adamw`; ``True``: coupled L2 added to the gradient before the adaptive scaling,
+        as :func:`adam_l2` (``torch.optim.Adam(weight_decay=λ, amsgrad=True)`` with
+        ``variant="pytorch"``).
+      decay_convention: the decoupled decay's :math:`s_t`: ``"lr"`` (default),
+        ``"schedule"``, ``"constant"`` or ``"corrected"`` (see :func:`adamw`). Only
+        ``"lr"`` with ``coupled=True``, which has no convention.
+      peak_learning_rate: :math:`\eta_{peak}` for ``"schedule"``/``"corrected"`` with a
+        scheduled or injected learning rate; ignored (but checked) by ``"lr"`` and
+        ``"constant"``; must be ``None`` with ``coupled=True``.
+      mask: which leaves are decayed or regularised (default ``"auto"``).
+      state_dtype: storage of the moments (:mod:`optax_decoupled.storage`).
+    """
+    V.check_choice("variant", variant, ("pytorch", "optax", "paper"))
+    if not isinstance(coupled, bool):
+        raise ValueError(f"`coupled` must be a bool, got {coupled!r}.")
+    if coupled:
+        if decay_convention != "lr" or peak_learning_rate is not None:
+            raise ValueError(
+                "`decay_convention`/`peak_learning_rate` apply to decoupled decay only; "
+                "coupled L2 (coupled=True) has no convention."
+            )
+        return adam_l2(
+            learning_rate,
+            b1,
+            b2,
+            eps,
+            weight_decay=weight_decay,
+            amsgrad=variant,
+            mask=mask,
+            eps_root=eps_root,
+            state_dtype=state_dtype,
+        )
+    return adamw(
+        learning_rate,
+        b1,
+        b2,
+        eps,
+        weight_decay=weight_decay,
+        amsgrad=variant,
+        decay_convention=decay_convention,
+        peak_learning_rate=peak_learning_rate,
+        mask=mask,
+        eps_root=eps_root,
+        state_dtype=state_dtype,
+    )
+
+
+def lion(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    *,
+    weight_decay: optax.ScalarOrSchedule = 1e-3,
+    decay_convention: str = "lr",
+    peak_learning_rate: Any = None,
+    mask: masks_lib.MaskArg = "auto",
+    state_dtype: storage_lib.StateDtype = None,
+) -> optax.GradientTransformation:
+    r"""Lion with decoupled weight decay (Chen et al., NeurIPS 2023).
+
+    .. math::
+
+        \theta_{t+1} = \theta_t - \eta_t\,\operatorname{sign}\big(\beta_1\mu_{t-1}
+                       + (1-\beta_1)g_t\big) - s_t\,\theta_t,
+        \qquad \mu_t = \beta_2\mu_{t-1} + (1-\beta_2)g_t
+
+    Rules of thumb from the paper: a learning rate 3-10x smaller than AdamW's and a weight
+    decay 3-10x larger, so that :math:`\eta\lambda` stays similar. With ``mask=None`` and
+    ``decay_convention="lr"`` this is ``optax.lion`` (to float rounding).
+
+    Args:
+      learning_rate: :math:`\eta_t \ge 0`, float, array or schedule.
+      b1: :math:`\beta_1 \in [0, 1)`, the interpolation rate used for the sign update
+        (:math:`\operatorname{sign}(\beta_1\mu_{t-1} + (1-\beta_1)g_t)`), as in Chen et al.
+        (2023), Alg. 2, and ``optax.lion``.
+      b2: :math:`\beta_2 \in [0, 1)`, the decay rate of the momentum
+        :math:`\mu_t = \beta_2\mu_{t-1} + (1-\beta_2)g_t`, updated after the sign is taken.
+      weight_decay: :math:`\lambda \ge 0` (float, array or schedule), decoupled.
+      decay_convention: ``"lr"``, ``"schedule"``, ``"constant"`` or ``"corrected"`` (see
+        :func:`adamw`).
+      peak_learning_rate: :math:`\eta_{peak}` for ``"schedule"``/``"corrected"`` with a
+        scheduled or injected learning rate; ignored (but checked) by ``"lr"`` and
+        ``"constant"``.
+      mask: which leaves are decayed (default ``"auto"``).
+      state_dtype: storage of the momentum (:mod:`optax_decoupled.storage`).
+    """
+    _check_lr(learning_rate)
+    V.check_choice("decay_convention", decay_convention, transforms.DECAY_CONVENTIONS)
+    return optax.chain(
+        transforms.scale_by_lion(b1, b2, state_dtype=state_dtype),
+        _scale_by_learning_rate(learning_rate),
+        transforms.decoupled_weight_decay(
+            weight_decay,
+            convention=decay_convention,
+            learning_rate=learning_rate,
+            peak_learning_rate=peak_learning_rate,
+            mask=mask,
+        ),
+    )

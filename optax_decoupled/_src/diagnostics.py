@@ -1,0 +1,203 @@
+r"""Diagnostics that show *why* coupled and decoupled weight decay behave differently.
+
+* :func:`effective_decay`: the per-element fraction of :math:`\theta` removed per step by the
+  regulariser. Decoupled decay removes :math:`s_t` (e.g. :math:`\eta_t\lambda`) from every
+  decayed element alike; coupled L2 passes :math:`\lambda\theta` through Adam's scaling, so the
+  element shrinks by :math:`\eta_t\lambda/(\sqrt{\hat\nu_t}+\epsilon)`: strongly where
+  gradients are small, hardly where they are large (Loshchilov & Hutter, ICLR 2019, Sec. 2).
+* :func:`group_norms`: weight norms per parameter group (decayed matrices vs the excluded
+  ``A_log``/``D``/``dt_bias``/norm scales/biases).
+* :func:`update_ratios`: :math:`\lVert u\rVert/\lVert\theta\rVert` per leaf.
+
+All work on any parameter pytree and on any optimizer state that contains a
+:class:`~optax_decoupled.ScaleByAdamState` (inside ``chain``, ``inject_hyperparams``,
+``MultiSteps``, ``apply_if_finite``...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_decoupled._src import masks as masks_lib
+from optax_decoupled._src import storage as storage_lib
+from optax_decoupled._src import validation as V
+from optax_decoupled._src.quantization import QuantizedArray, restore_quantized
+from optax_decoupled._src.transforms import (
+    AMSGRAD_VARIANTS,
+    DECAY_CONVENTIONS,
+    ScaleByAdamState,
+    _decay_rate,
+)
+
+
+def find_adam_state(opt_state: Any) -> ScaleByAdamState:
+    """The (first) :class:`ScaleByAdamState` inside a nested optimizer state."""
+    found = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByAdamState))
+        if isinstance(s, ScaleByAdamState)
+    ]
+    if not found:
+        raise ValueError("the optimizer state holds no ScaleByAdamState (not an Adam variant).")
+    return found[0]
+
+
+def effective_decay(
+    opt_state: Any,
+    params: Any,
+    *,
+    learning_rate: float | None,
+    weight_decay: float,
+    coupled: bool,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    amsgrad: str | None = None,
+    convention: str = "lr",
+    peak_learning_rate: float | None = None,
+    mask: masks_lib.MaskArg = "auto",
+    state_dtype: storage_lib.StateDtype = None,
+) -> Any:
+    r"""Per-element effective decay per step, a pytree shaped like ``params``.
+
+    .. math::
+
+        \text{coupled: } \frac{\eta_t\lambda}{\sqrt{\hat\nu_t+\epsilon_{root}}+\epsilon},
+        \qquad
+        \text{decoupled: } s_t \;(\text{e.g. } \eta_t\lambda)
+
+    where :math:`\hat\nu_t` is what the denominator of the last step used (the AMSGrad max for
+    ``amsgrad`` variants, uncorrected for ``"paper"``). Leaves the mask excludes get 0.
+    The hyperparameters must be those of the optimizer that produced ``opt_state``;
+    ``learning_rate`` is the value :math:`\eta_t` at the step of interest. For the
+    ``"schedule"`` and ``"corrected"`` conventions pass the run's ``peak_learning_rate``
+    when it used a schedule: without it :math:`\eta_t` is taken as its own peak, as for a
+    constant learning rate (the transform itself refuses a schedule without the peak).
+    ``"lr"`` and ``"constant"`` ignore ``peak_learning_rate`` (a given one is still checked);
+    decoupled ``"constant"`` also ignores ``learning_rate``, which may then be ``None``.
+
+    ``amsgrad`` must name the convention of the optimizer that produced ``opt_state``: with
+    ``coupled=True`` a state that holds AMSGrad's running maximum (``nu_max``) read with
+    ``amsgrad=None``, or a plain Adam state read with an AMSGrad convention, is a
+    ``ValueError`` (the variant cannot be read off the state, and reading ``nu`` instead of
+    ``nu_max`` would give other numbers). ``coupled=False`` does not read the state.
+
+    Raises:
+      ValueError: for invalid hyperparameters, checked as the transforms check them
+        (``learning_rate``, ``weight_decay``, ``eps``, ``eps_root`` :math:`\ge 0`,
+        ``peak_learning_rate`` > 0, ``b2`` in [0, 1), all finite; ``coupled`` a bool;
+        ``amsgrad`` and ``convention`` one of their choices; values at one step, not
+        schedules), for an ``amsgrad`` that does not match the state, and for a state without
+        a :class:`~optax_decoupled.ScaleByAdamState` or whose moments do not match ``params``
+        (``coupled=True``).
+    """
+    if not isinstance(coupled, bool):
+        raise ValueError(f"`coupled` must be a bool, got {coupled!r}.")
+    V.check_choice("amsgrad", amsgrad, AMSGRAD_VARIANTS)
+    V.check_choice("convention", convention, DECAY_CONVENTIONS)
+    values = {
+        "learning_rate": learning_rate,
+        "weight_decay": weight_decay,
+        "b2": b2,
+        "eps": eps,
+        "eps_root": eps_root,
+        "peak_learning_rate": peak_learning_rate,
+    }
+    for name, value in values.items():
+        if callable(value):
+            raise ValueError(
+                f"`{name}` must be a number or an array, not a schedule: effective_decay "
+                "reads one step; pass the schedule's value at that step."
+            )
+    if learning_rate is not None or coupled or convention != "constant":
+        V.check_non_negative("learning_rate", learning_rate)  # decoupled "constant": unused
+    for name in ("weight_decay", "eps", "eps_root"):
+        V.check_non_negative(name, values[name])
+    V.check_beta("b2", b2)
+    if peak_learning_rate is not None:  # checked even where the convention ignores it
+        V.check_positive("peak_learning_rate", peak_learning_rate)
+    decays = masks_lib.resolve_mask(mask, params)
+    if not coupled:
+        s = _decay_rate(weight_decay, convention, learning_rate, peak_learning_rate)  # checked
+        return jax.tree.map(
+            lambda p, m: jnp.full(jnp.shape(p), s if m else 0.0, jnp.float32), params, decays
+        )
+    adam = find_adam_state(opt_state)
+    if adam.nu_max is not None and amsgrad is None:
+        raise ValueError(
+            "effective_decay: the optimizer state holds AMSGrad's running maximum (nu_max), "
+            "but `amsgrad` is None; pass the optimizer's AMSGrad convention "
+            f"({', '.join(repr(v) for v in AMSGRAD_VARIANTS if v is not None)})."
+        )
+    if adam.nu_max is None and amsgrad is not None:
+        raise ValueError(
+            f"effective_decay: `amsgrad` is {amsgrad!r} but the optimizer state is plain Adam "
+            "(it holds no AMSGrad maximum nu_max); pass amsgrad=None."
+        )
+    store = storage_lib.resolve_storage(state_dtype)
+    # Leaves, not trees: under flax.nnx the parameters are Param variables and the state's
+    # moments OptState variables, which jax.tree.map cannot pair.
+    (count,) = jax.tree.leaves(adam.count)
+    count = jnp.maximum(count, 1)
+    bc2 = 1.0 - b2 ** count.astype(jnp.float32)
+    p_leaves, treedef = jax.tree.flatten(params)
+    # (An nnx.Optimizer's state holds 8-bit moments as {codes, absmax} States after a step.)
+    nu_tree = restore_quantized(adam.nu if amsgrad is None else adam.nu_max, signed=False)
+    nu_leaves = jax.tree.leaves(nu_tree, is_leaf=lambda x: isinstance(x, QuantizedArray))
+    if len(nu_leaves) != len(p_leaves):
+        raise ValueError(
+            f"effective_decay: the optimizer state's second moment has {len(nu_leaves)} "
+            f"leaves but `params` has {len(p_leaves)}; pass the parameters it was built for."
+        )
+
+    def leaf(p, nu_s, m):
+        if not m:
+            return jnp.zeros(jnp.shape(p), jnp.float32)
+        if isinstance(nu_s, QuantizedArray):  # 8-bit: the state says so, whatever state_dtype
+            nu = storage_lib.BlockwiseInt8Storage().read(nu_s, p)
+        else:
+            nu = store.read(nu_s, p)
+        nu = nu.astype(jnp.float32)
+        if amsgrad in (None, "pytorch"):
+            nu = nu / bc2
+        return learning_rate * weight_decay / (jnp.sqrt(nu + eps_root) + eps)
+
+    flags = jax.tree.leaves(decays)
+    return jax.tree.unflatten(
+        treedef, [leaf(*z) for z in zip(p_leaves, nu_leaves, flags, strict=True)]
+    )
+
+
+def group_of(components: tuple[str, ...], ndim: int) -> str:
+    """The diagnostic group of a leaf: ``decayed`` (the ``"auto"`` rule) or why it is not
+    (the name rule that excludes it, see :func:`~optax_decoupled.masks.auto_no_decay_reason`,
+    or ``other (ndim < 2)``)."""
+    reason = masks_lib.auto_no_decay_reason(components)
+    if reason is not None:
+        return reason
+    return "decayed" if ndim >= 2 else "other (ndim < 2)"
+
+
+def group_norms(params: Any) -> dict[str, jax.Array]:
+    r"""Euclidean norm :math:`\lVert\theta_G\rVert_2` of each group of :func:`group_of`."""
+    sums: dict[str, jax.Array] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        g = group_of(masks_lib.path_components(path), jnp.ndim(leaf))
+        sq = jnp.sum(jnp.square(jnp.asarray(leaf, jnp.float32)))
+        sums[g] = sums.get(g, 0.0) + sq
+    return {k: jnp.sqrt(v) for k, v in sorted(sums.items())}
+
+
+def update_ratios(updates: Any, params: Any, tiny: float = 1e-12) -> dict[str, jax.Array]:
+    r""":math:`\lVert u\rVert_2/\lVert\theta\rVert_2` per leaf, keyed by ``/``-joined path."""
+    out = {}
+    u_leaves = jax.tree.leaves(updates)
+    p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, p), u in zip(p_leaves, u_leaves, strict=True):
+        pn = jnp.linalg.norm(jnp.ravel(jnp.asarray(p, jnp.float32)))
+        un = jnp.linalg.norm(jnp.ravel(jnp.asarray(u, jnp.float32)))
+        out[masks_lib.path_string(path)] = un / jnp.maximum(pn, tiny)
+    return out

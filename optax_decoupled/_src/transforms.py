@@ -1,0 +1,615 @@
+r"""The four building blocks: coupled L2, decoupled weight decay, Adam/AMSGrad scaling, Lion.
+
+Each function validates its concrete arguments and returns an
+:class:`optax.GradientTransformation` with a ``NamedTuple`` state, in the Optax idiom. They are
+meant to be chained; :mod:`optax_decoupled.aliases` gives the usual chains.
+
+*Coupled* regularisation changes the gradient **before** the adaptive scaling
+(:func:`add_l2_gradient`, then :func:`scale_by_adam`), so the penalty is rescaled per element by
+:math:`1/(\sqrt{\hat\nu}+\epsilon)`. *Decoupled* weight decay acts on the parameters **after**
+the adaptive scaling and the learning rate (:func:`decoupled_weight_decay` at the end of the
+chain), so every decayed element shrinks by the same factor (Loshchilov & Hutter, 2019).
+
+Steps are counted from :math:`t = 0` in ``state.count`` (as Optax does); bias corrections use
+:math:`t + 1`. Schedules are evaluated at ``count``, the same step index Optax's
+``scale_by_learning_rate`` uses, so a decay transform and the learning-rate scaling in one chain
+always see the same :math:`\eta_t`. A schedule's value is checked like a number (a learning
+rate or weight decay :math:`\ge 0`, finite) when it is concrete, i.e. in an eager ``update``;
+under ``jit`` it is traced and used unchecked (see :mod:`optax_decoupled._validation`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_decoupled._src import masks as masks_lib
+from optax_decoupled._src import quantization as quant_lib
+from optax_decoupled._src import storage as storage_lib
+from optax_decoupled._src import validation as V
+from optax_decoupled._src.moment_updates import AdamDirection, EmaMoments, LionDirection
+
+#: Weight-decay conventions of :func:`decoupled_weight_decay`.
+DECAY_CONVENTIONS = ("lr", "schedule", "constant", "corrected")
+#: AMSGrad conventions of :func:`scale_by_adam`.
+AMSGRAD_VARIANTS = (None, "pytorch", "optax", "paper")
+
+
+def _at(name: str, value: Any, count: jax.Array) -> Any:
+    """The hyperparameter ``name``'s value at step ``count``: a schedule is called and its value
+    checked like a number (>= 0 and finite; concrete values only, so not under ``jit``), any
+    other value is returned as given (it was checked when the transform was built)."""
+    if not callable(value):
+        return value
+    value_t = value(count)
+    V.check_schedule_value(name, value_t, count)
+    return value_t
+
+
+def _check_hyperparam(name: str, value: Any, check=V.check_non_negative) -> None:
+    if not callable(value):
+        check(name, value)
+
+
+def _map_unzip(fn, tree: Any, *rest: Any) -> list[Any]:
+    """``jax.tree.map`` of a tuple-returning ``fn``, unzipped into one tree per output.
+
+    ``tree`` (the updates) gives the structure; ``rest`` may hold deeper subtrees per leaf
+    (stored moments).
+    """
+    treedef = jax.tree.structure(tree)
+    parts = treedef.flatten_up_to(jax.tree.map(fn, tree, *rest))
+    n = len(parts[0]) if parts else len(rest) + 1
+    return [treedef.unflatten([p[i] for p in parts]) for i in range(n)]
+
+
+def _restore_quantized_moments(state: Any, unsigned: tuple[str, ...]) -> Any:
+    """``state`` (a NamedTuple of moment trees) with 8-bit moments that an ``nnx.Optimizer``
+    flattened into ``{codes, absmax}`` mappings rebuilt (see
+    :func:`~optax_decoupled.quantization.restore_quantized`); the fields in ``unsigned``
+    hold unsigned moments, the other moment fields signed ones."""
+    fields = {}
+    for name in state._fields:
+        value = getattr(state, name)
+        if name != "count" and value is not None:
+            fields[name] = quant_lib.restore_quantized(value, signed=name not in unsigned)
+    return state._replace(**fields)
+
+
+def _check_shapes(updates: Any, reference: Any, name: str, what: str) -> None:
+    """Raises ``ValueError`` naming the first leaf whose update shape differs from the
+    reference's (JAX would otherwise broadcast e.g. a (3,) gradient against a (2, 3) moment).
+    A quantized moment keeps no shape: its number of blocks is compared with the update's
+    size (the transforms also compare the updates with ``params`` when they get them)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    try:
+        refs = treedef.flatten_up_to(reference)
+    except (ValueError, TypeError):
+        return  # structure mismatches get JAX's own error naming the key path
+    for (path, u), r in zip(leaves, refs, strict=True):
+        if isinstance(r, quant_lib.QuantizedArray) and r.codes.ndim == 2:
+            size = int(np.prod(jnp.shape(u)))
+            if quant_lib.num_blocks(size, r.block_size) != r.codes.shape[0]:
+                raise ValueError(
+                    f"{name}: the update at {jax.tree_util.keystr(path)} has shape "
+                    f"{jnp.shape(u)} ({size} elements) but the 8-bit {what} holds "
+                    f"{r.codes.shape[0]} blocks of {r.block_size}; gradients must have their "
+                    "parameters' shapes."
+                )
+        elif hasattr(r, "shape") and not isinstance(r, tuple) and jnp.shape(u) != jnp.shape(r):
+            raise ValueError(
+                f"{name}: the update at {jax.tree_util.keystr(path)} has shape {jnp.shape(u)} "
+                f"but the {what} has shape {jnp.shape(r)}; gradients must have their "
+                "parameters' shapes."
+            )
+
+
+def check_hyperparameter_shapes(transform: str, values: dict[str, Any], updates: Any) -> None:
+    """Raises ``ValueError`` naming a hyperparameter whose array shape does not broadcast to
+    an update's shape without changing it (a ``(3, 1)`` weight decay against a ``(3,)``
+    parameter would make a ``(3, 3)`` update). Scalars, ``None`` and arrays that broadcast
+    to every leaf (e.g. one of the parameter's own shape) pass; shapes are static, so
+    traced values are checked too."""
+    shaped = {n: jnp.shape(v) for n, v in values.items() if v is not None and jnp.ndim(v)}
+    if not shaped:
+        return
+    for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        target = jnp.shape(u)
+        for name, shape in shaped.items():
+            try:
+                fits = np.broadcast_shapes(shape, target) == target
+            except ValueError:
+                fits = False
+            if not fits:
+                raise ValueError(
+                    f"{transform}: `{name}` has shape {shape}, which does not broadcast to the "
+                    f"update at {jax.tree_util.keystr(path)} of shape {target}; hyperparameters "
+                    "must be scalars or arrays that broadcast to every parameter's shape."
+                )
+
+
+def _decayed(updates: Any, decays: Any) -> Any:
+    """The leaves of ``updates`` that the decay mask ``decays`` selects (others ``None``)."""
+    return jax.tree.map(lambda u, m: u if m else None, updates, decays)
+
+
+def _require_params(params: Any, name: str) -> None:
+    if params is None:
+        raise ValueError(
+            f"{name} needs the current parameters: call update(updates, state, params)."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Coupled L2
+# ---------------------------------------------------------------------------------------------
+
+
+class AddL2GradientState(NamedTuple):
+    """State of :func:`add_l2_gradient`: the step count (for a weight-decay schedule)."""
+
+    count: chex.Array
+
+
+def add_l2_gradient(
+    weight_decay: optax.ScalarOrSchedule,
+    mask: masks_lib.MaskArg = "auto",
+) -> optax.GradientTransformation:
+    r"""Coupled L2 regularisation: adds :math:`\lambda_t\theta` to the gradient.
+
+    .. math::
+
+        g_t \leftarrow g_t + \lambda_t \, \theta_{t}
+
+    This is the gradient of :math:`\tfrac{\lambda}{2}\lVert\theta\rVert^2`. Placed *before* an
+    adaptive scaling such as :func:`scale_by_adam` it is the **coupled** weight decay of
+    ``torch.optim.Adam(weight_decay=λ)``: the penalty is divided by
+    :math:`\sqrt{\hat\nu}+\epsilon` like the rest of the gradient, so parameters with large
+    gradient variance are barely regularised (Loshchilov & Hutter, "Decoupled Weight Decay
+    Regularization", ICLR 2019, Sec. 2). With plain SGD it equals decoupled decay with
+    :math:`\lambda' = \lambda`.
+
+    Optax: ``optax.add_decayed_weights(λ, mask)`` computes the same sum; this transform adds the
+    ``"auto"`` mask, schedule support through its own step count, and argument checks.
+
+    Args:
+      weight_decay: :math:`\lambda \ge 0`, a float, an array or a schedule of the step count
+        (whose values are checked in an eager ``update``, not under ``jit``).
+      mask: which leaves are regularised; see :mod:`optax_decoupled.masks`.
+
+    Returns:
+      An :class:`optax.GradientTransformation` whose ``update`` needs ``params``.
+    """
+    _check_hyperparam("weight_decay", weight_decay)
+    masks_lib.check_mask_arg(mask)
+
+    def init_fn(params):
+        V.check_param_dtypes(params, "add_l2_gradient")
+        if not masks_lib.is_params_placeholder(params):  # the state does not depend on it
+            decays = masks_lib.resolve_mask(mask, params)
+            masks_lib.warn_if_auto_decays_nothing(mask, decays, weight_decay, "add_l2_gradient")
+        return AddL2GradientState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        V.check_update_dtypes(updates, "add_l2_gradient")
+        _require_params(params, "add_l2_gradient")
+        _check_shapes(updates, params, "add_l2_gradient", "parameter")
+        wd = _at("weight_decay", weight_decay, state.count)
+        decays = masks_lib.resolve_mask(mask, params)
+        check_hyperparameter_shapes(
+            "add_l2_gradient", {"weight_decay": wd}, _decayed(updates, decays)
+        )
+        updates = jax.tree.map(
+            lambda g, p, m: (g + wd * p).astype(jnp.result_type(g)) if m else g,
+            updates,
+            params,
+            decays,
+        )
+        return updates, AddL2GradientState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoupled weight decay
+# ---------------------------------------------------------------------------------------------
+
+
+class DecoupledWeightDecayState(NamedTuple):
+    """State of :func:`decoupled_weight_decay`: the step count the schedules are read at."""
+
+    count: chex.Array
+
+
+def decay_rate(
+    weight_decay: Any,
+    convention: str,
+    learning_rate: Any,
+    peak_learning_rate: Any,
+) -> Any:
+    r"""The per-step shrink factor :math:`s_t` of a convention, from values at step ``t``.
+
+    ``"lr"``: :math:`\lambda\eta_t`; ``"schedule"``: :math:`\lambda\eta_t/\eta_{peak}`;
+    ``"constant"``: :math:`\lambda`; ``"corrected"``: :math:`\lambda\eta_t^2/\eta_{peak}`.
+    ``peak_learning_rate=None`` means a constant learning rate, its own peak
+    (:math:`\eta_t/\eta_{peak} = 1` exactly, also for :math:`\eta = 0`).
+
+    Args:
+      weight_decay: :math:`\lambda \ge 0` at step ``t`` (a number or an array, not a
+        schedule: call it with the step count first).
+      convention: ``"lr"``, ``"schedule"``, ``"constant"`` or ``"corrected"``.
+      learning_rate: :math:`\eta_t \ge 0`; may be ``None`` for ``"constant"`` only.
+      peak_learning_rate: :math:`\eta_{peak} > 0`, or ``None``; checked even where the
+        convention ignores it, as by :func:`decoupled_weight_decay`.
+
+    Raises:
+      ValueError: for an unknown ``convention``, a schedule, a negative or non-finite
+        ``weight_decay`` or ``learning_rate``, a missing ``learning_rate``, or a
+        ``peak_learning_rate`` that is not a finite number > 0 (concrete values only: traced
+        ones are used as given).
+    """
+    V.check_choice("convention", convention, DECAY_CONVENTIONS)
+    values = (
+        ("weight_decay", weight_decay),
+        ("learning_rate", learning_rate),
+        ("peak_learning_rate", peak_learning_rate),
+    )
+    for name, value in values:
+        if callable(value):
+            raise ValueError(
+                f"`{name}` must be its value at step t (a number or an array), not a schedule: "
+                "call the schedule with the step count."
+            )
+    V.check_non_negative("weight_decay", weight_decay)
+    if learning_rate is not None:
+        V.check_non_negative("learning_rate", learning_rate)
+    elif convention != "constant":
+        raise ValueError(
+            f"convention={convention!r} needs `learning_rate` (η_t); only 'constant' ignores it."
+        )
+    if peak_learning_rate is not None:
+        V.check_positive("peak_learning_rate", peak_learning_rate)
+    return _decay_rate(weight_decay, convention, learning_rate, peak_learning_rate)
+
+
+def _decay_rate(weight_decay: Any, convention: str, learning_rate: Any, peak: Any) -> Any:
+    """:func:`decay_rate` without the argument checks (for values already checked)."""
+    ratio = 1.0 if peak is None else None
+    if convention == "lr":
+        return weight_decay * learning_rate
+    if convention == "schedule":
+        return weight_decay * (ratio if ratio is not None else learning_rate / peak)
+    if convention == "constant":
+        return weight_decay
+    if convention == "corrected":
+        if ratio is not None:
+            return weight_decay * learning_rate
+        return weight_decay * (learning_rate * learning_rate / peak)
+    raise ValueError(f"`convention` must be one of {DECAY_CONVENTIONS!r}, got {convention!r}.")
+
+
+def _resolve_peak(convention: str, learning_rate: Any, peak_learning_rate: Any) -> Any:
+    if peak_learning_rate is not None:  # checked even where the convention ignores it
+        if callable(peak_learning_rate):
+            raise ValueError("`peak_learning_rate` must be a number or an array, not a schedule.")
+        V.check_positive("peak_learning_rate", peak_learning_rate)
+    if convention not in ("schedule", "corrected") or peak_learning_rate is not None:
+        return peak_learning_rate
+    constant = V.concrete_number(learning_rate)
+    if constant is not None and not isinstance(learning_rate, bool):
+        return None  # a constant learning rate is its own peak: decay_rate uses ratio 1
+    raise ValueError(
+        f"The decay convention {convention!r} divides by the peak learning rate η_peak, which "
+        "cannot be read off a schedule or a JAX-array learning rate (injected, traced or "
+        "not; a Python or NumPy number is its own peak): pass `peak_learning_rate` "
+        "(e.g. the peak_value of your warmup-cosine schedule)."
+    )
+
+
+def decoupled_weight_decay(
+    weight_decay: optax.ScalarOrSchedule,
+    *,
+    convention: str = "lr",
+    learning_rate: optax.ScalarOrSchedule | None = None,
+    peak_learning_rate: Any = None,
+    mask: masks_lib.MaskArg = "auto",
+) -> optax.GradientTransformation:
+    r"""Decoupled weight decay, applied to the final update (after the learning rate).
+
+    .. math::
+
+        u_t \leftarrow u_t - s_t\,\theta_t, \qquad
+        s_t = \begin{cases}
+          \lambda\,\eta_t & \texttt{"lr"} \text{ (PyTorch AdamW, optax.adamw)} \\
+          \lambda\,\eta_t/\eta_{peak} & \texttt{"schedule"}
+              \text{ (Loshchilov \& Hutter Alg. 2: } \lambda\,\text{SetScheduleMultiplier}(t)) \\
+          \lambda & \texttt{"constant"} \\
+          \lambda\,\eta_t^2/\eta_{peak} & \texttt{"corrected"} \text{ (timm's corrected decay)}
+        \end{cases}
+
+    so that :math:`\theta_{t+1} = \theta_t + u_t = (1 - s_t)\,\theta_t + (\text{scaled step})`.
+    It is **decoupled**: it must come *after* the adaptive scaling and the (negative) learning-rate
+    scaling, i.e. last in the chain, where it reproduces ``torch.optim.AdamW``'s
+    ``θ ← θ(1 − ηλ)`` exactly (up to float rounding) with ``convention="lr"``.
+
+    In ``"lr"`` the decay strength depends on the learning rate, so retuning η changes the
+    effective regularisation; ``"schedule"`` makes λ the decay at the schedule's peak and
+    independent of η (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019,
+    Alg. 2; MosaicML Composer's ``DecoupledAdamW``). ``"corrected"`` keeps the equilibrium
+    norm of the weights independent of η (timm's ``corrected_weight_decay``).
+
+    Args:
+      weight_decay: :math:`\lambda \ge 0`; a float, array or schedule of the step count.
+      convention: ``"lr"``, ``"schedule"``, ``"constant"`` or ``"corrected"``.
+      learning_rate: :math:`\eta_t`, the same float/schedule the chain's learning-rate scaling
+        uses; required by every convention but ``"constant"``.
+      peak_learning_rate: :math:`\eta_{peak}` for ``"schedule"``/``"corrected"``; may be omitted
+        only when ``learning_rate`` is a constant Python or NumPy number (then it is its own peak).
+        ``"lr"`` and ``"constant"`` ignore it, but a given value is still checked (> 0, finite),
+        so one set of arguments can be passed to every convention.
+      mask: which leaves are decayed; see :mod:`optax_decoupled.masks`.
+
+    Raises:
+      ValueError: for a negative ``weight_decay``, an unknown ``convention``, a missing
+        ``learning_rate``, or a missing/non-positive ``peak_learning_rate`` where needed; in
+        ``update``, for a schedule whose concrete value at the step is negative or not finite
+        (under ``jit`` schedule values are traced and not checked).
+    """
+    V.check_choice("convention", convention, DECAY_CONVENTIONS)
+    _check_hyperparam("weight_decay", weight_decay)
+    masks_lib.check_mask_arg(mask)
+    if convention != "constant":
+        if learning_rate is None:
+            raise ValueError(
+                f"convention={convention!r} needs `learning_rate` (the chain's η_t); "
+                "use convention='constant' for a decay that ignores it."
+            )
+        _check_hyperparam("learning_rate", learning_rate)
+    peak = _resolve_peak(convention, learning_rate, peak_learning_rate)
+
+    def init_fn(params):
+        V.check_param_dtypes(params, "decoupled_weight_decay")
+        if not masks_lib.is_params_placeholder(params):  # the state does not depend on it
+            decays = masks_lib.resolve_mask(mask, params)
+            masks_lib.warn_if_auto_decays_nothing(
+                mask, decays, weight_decay, "decoupled_weight_decay"
+            )
+        return DecoupledWeightDecayState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        V.check_update_dtypes(updates, "decoupled_weight_decay")
+        _require_params(params, "decoupled_weight_decay")
+        _check_shapes(updates, params, "decoupled_weight_decay", "parameter")
+        lr_t = (
+            None if convention == "constant" else _at("learning_rate", learning_rate, state.count)
+        )
+        wd_t = _at("weight_decay", weight_decay, state.count)
+        decays = masks_lib.resolve_mask(mask, params)
+        check_hyperparameter_shapes(
+            "decoupled_weight_decay",
+            {"weight_decay": wd_t, "learning_rate": lr_t, "peak_learning_rate": peak},
+            _decayed(updates, decays),
+        )
+        s = _decay_rate(wd_t, convention, lr_t, peak)  # the values are checked: _at, _resolve_peak
+        updates = jax.tree.map(
+            lambda u, p, m: (u - s * p).astype(jnp.result_type(u)) if m else u,
+            updates,
+            params,
+            decays,
+        )
+        return updates, DecoupledWeightDecayState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Adam / AMSGrad
+# ---------------------------------------------------------------------------------------------
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of :func:`scale_by_adam`.
+
+    Attributes:
+      count: steps taken so far (int32).
+      mu: first moment, stored as ``state_dtype`` says.
+      nu: second moment.
+      nu_max: AMSGrad's running maximum (raw or bias-corrected per ``amsgrad``); ``None`` for
+        plain Adam.
+    """
+
+    count: chex.Array
+    mu: optax.Updates
+    nu: optax.Updates
+    nu_max: optax.Updates | None
+
+
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    *,
+    amsgrad: str | None = None,
+    state_dtype: storage_lib.StateDtype = None,
+) -> optax.GradientTransformation:
+    r"""Adam's adaptive scaling (Kingma & Ba, ICLR 2015), optionally AMSGrad.
+
+    With :math:`t` counted from 1 and :math:`g_t` the incoming update (the gradient, plus the
+    coupled L2 term if :func:`add_l2_gradient` comes first):
+
+    .. math::
+
+        \mu_t = \beta_1 \mu_{t-1} + (1-\beta_1) g_t, \qquad
+        \nu_t = \beta_2 \nu_{t-1} + (1-\beta_2) g_t^2, \qquad
+        \hat\mu_t = \frac{\mu_t}{1-\beta_1^t}, \quad \hat\nu_t = \frac{\nu_t}{1-\beta_2^t}
+
+    and the output for each ``amsgrad`` convention:
+
+    ==============  =====================================================================
+    ``None``        :math:`\hat\mu_t / (\sqrt{\hat\nu_t + \epsilon_{root}} + \epsilon)`
+                    (Adam; ``optax.scale_by_adam``)
+    ``"pytorch"``   :math:`\nu^{max}_t = \max(\nu^{max}_{t-1}, \nu_t)`, output
+                    :math:`\hat\mu_t / (\sqrt{\nu^{max}_t/(1-\beta_2^t) + \epsilon_{root}}
+                    + \epsilon)` (max of the raw ν, then bias correction:
+                    ``torch.optim.Adam(amsgrad=True)``)
+    ``"optax"``     :math:`\nu^{max}_t = \max(\nu^{max}_{t-1}, \hat\nu_t)`, output
+                    :math:`\hat\mu_t / (\sqrt{\nu^{max}_t + \epsilon_{root}} + \epsilon)`
+                    (max of the bias-corrected ν: ``optax.scale_by_amsgrad``)
+    ``"paper"``     :math:`\nu^{max}_t = \max(\nu^{max}_{t-1}, \nu_t)`, output
+                    :math:`\mu_t / (\sqrt{\nu^{max}_t + \epsilon_{root}} + \epsilon)`
+                    (Reddi, Kale & Kumar, ICLR 2018, Alg. 2: no bias correction; set
+                    ``eps=0`` for the exact published update)
+    ==============  =====================================================================
+
+    ``"optax"`` starts from a much larger denominator (early :math:`\hat\nu_t` are not shrunk
+    by :math:`1-\beta_2^t`, and the max keeps them), so it takes smaller steps than
+    ``"pytorch"`` for a long time; the conventions differ measurably (see the Reddi experiment).
+
+    Moments are computed in ``promote_types(state dtype, gradient dtype)``, at least float32
+    for a bfloat16, float16 or 8-bit ``state_dtype``, and stored as ``state_dtype`` says
+    (:mod:`optax_decoupled.storage`); the output has the gradient's dtype.
+
+    Args:
+      b1: :math:`\beta_1 \in [0, 1)`.
+      b2: :math:`\beta_2 \in [0, 1)`.
+      eps: :math:`\epsilon \ge 0`, added outside the square root.
+      eps_root: :math:`\epsilon_{root} \ge 0`, added inside the square root.
+      amsgrad: ``None``, ``"pytorch"``, ``"optax"`` or ``"paper"``.
+      state_dtype: how the moments are stored (``None``: the parameter dtype).
+    """
+    V.check_beta("b1", b1)
+    V.check_beta("b2", b2)
+    for name, value in (("eps", eps), ("eps_root", eps_root)):
+        V.check_not_schedule(name, value)
+        V.check_non_negative(name, value)
+    V.check_choice("amsgrad", amsgrad, AMSGRAD_VARIANTS)
+    store = storage_lib.resolve_storage(state_dtype)
+
+    def init_fn(params):
+        V.check_param_dtypes(params, "scale_by_adam")
+        mu = jax.tree.map(lambda p: store.init(p, signed=True), params)
+        nu = jax.tree.map(lambda p: store.init(p, signed=False), params)
+        nu_max = None
+        if amsgrad is not None:
+            nu_max = jax.tree.map(lambda p: store.init(p, signed=False), params)
+        return ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu, nu_max=nu_max)
+
+    def update_fn(updates, state, params=None):
+        V.check_update_dtypes(updates, "scale_by_adam")
+        state = _restore_quantized_moments(state, unsigned=("nu", "nu_max"))
+        count = optax.safe_increment(state.count)
+        bc1 = 1 - b1**count
+        bc2 = 1 - b2**count
+
+        _check_shapes(updates, state.mu, "scale_by_adam", "first moment")
+        if params is not None:
+            _check_shapes(updates, params, "scale_by_adam", "parameter")
+        check_hyperparameter_shapes(
+            "scale_by_adam", {"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root}, updates
+        )
+
+        # Element-wise: (mu, nu[, nu_max]) at t-1 and g -> the same at t.
+        moments = EmaMoments(
+            (b1, b2),
+            (1, 2),
+            running_max=amsgrad is not None,
+            max_divisor=bc2 if amsgrad == "optax" else None,
+        )
+
+        # The output from the new moments (the table above).
+        direction = AdamDirection(bc1, bc2, eps, eps_root, amsgrad)
+
+        def leaf(g, mu_s, nu_s, nu_max_s=None):
+            g = jnp.asarray(g)
+            stored = (mu_s, nu_s) if amsgrad is None else (mu_s, nu_s, nu_max_s)
+            signed = (True, False, False)[: len(stored)]
+            written, u = storage_lib.update_moments_and_output(
+                store, moments, direction, stored, g, signed=signed, step=count
+            )
+            return (u, *written)
+
+        trees = (updates, state.mu, state.nu)
+        if amsgrad is not None:
+            trees += (state.nu_max,)
+        unzip = _map_unzip(leaf, *trees)
+        nu_max = unzip[3] if amsgrad is not None else None
+        return unzip[0], ScaleByAdamState(count=count, mu=unzip[1], nu=unzip[2], nu_max=nu_max)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lion
+# ---------------------------------------------------------------------------------------------
+
+
+class ScaleByLionState(NamedTuple):
+    """State of :func:`scale_by_lion`: step count and the momentum :math:`\\mu`."""
+
+    count: chex.Array
+    mu: optax.Updates
+
+
+def scale_by_lion(
+    b1: float = 0.9,
+    b2: float = 0.99,
+    *,
+    state_dtype: storage_lib.StateDtype = None,
+) -> optax.GradientTransformation:
+    r"""Lion's sign update (Chen et al., "Symbolic Discovery of Optimization Algorithms",
+    NeurIPS 2023, Alg. 2).
+
+    .. math::
+
+        u_t = \operatorname{sign}\!\big(\beta_1 \mu_{t-1} + (1-\beta_1) g_t\big), \qquad
+        \mu_t = \beta_2 \mu_{t-1} + (1-\beta_2) g_t
+
+    The momentum is updated *after* the sign is taken, with the other rate; ``sign(0) = 0``.
+    Every output element has magnitude 1 (or 0), so Lion's learning rate is typically 3-10x
+    smaller than AdamW's and its decoupled weight decay 3-10x larger (the paper, Sec. 5).
+    Same as ``optax.scale_by_lion``.
+
+    Args:
+      b1: :math:`\beta_1 \in [0, 1)`, the interpolation rate of the update.
+      b2: :math:`\beta_2 \in [0, 1)`, the momentum's decay rate.
+      state_dtype: how :math:`\mu` is stored (``None``: the parameter dtype).
+    """
+    V.check_beta("b1", b1)
+    V.check_beta("b2", b2)
+    store = storage_lib.resolve_storage(state_dtype)
+
+    def init_fn(params):
+        V.check_param_dtypes(params, "scale_by_lion")
+        mu = jax.tree.map(lambda p: store.init(p, signed=True), params)
+        return ScaleByLionState(count=jnp.zeros([], jnp.int32), mu=mu)
+
+    def update_fn(updates, state, params=None):
+        V.check_update_dtypes(updates, "scale_by_lion")
+        state = _restore_quantized_moments(state, unsigned=())
+        _check_shapes(updates, state.mu, "scale_by_lion", "momentum")
+        if params is not None:
+            _check_shapes(updates, params, "scale_by_lion", "parameter")
+        check_hyperparameter_shapes("scale_by_lion", {"b1": b1, "b2": b2}, updates)
+
+        momentum = EmaMoments((b2,), (1,))
+        count = optax.safe_increment(state.count)
+
+        direction = LionDirection(b1)
+
+        def leaf(g, mu_s):
+            g = jnp.asarray(g)
+            (written,), u = storage_lib.update_moments_and_output(
+                store, momentum, direction, (mu_s,), g, signed=(True,), step=count
+            )
+            return u, written
+
+        u, mu = _map_unzip(leaf, updates, state.mu)
+        return u, ScaleByLionState(count=count, mu=mu)
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -1,34 +1,9 @@
-r"""The optimizers people use, as short chains of the public transforms.
+"""The optimizers people use, as short chains of the public transforms.
 
-=================  ============================================================================
-alias              chain
-=================  ============================================================================
-:func:`adam_l2`    ``add_l2_gradient`` → ``scale_by_adam`` → ``scale_by_learning_rate``
-                   (coupled L2: ``torch.optim.Adam(weight_decay=λ)``)
-:func:`adamw`      ``scale_by_adam`` → ``scale_by_learning_rate`` → ``decoupled_weight_decay``
-                   (``torch.optim.AdamW``, ``optax.adamw``)
-:func:`amsgrad`    either of the above with ``scale_by_adam(amsgrad=variant)``
-:func:`lion`       ``scale_by_lion`` → ``scale_by_learning_rate`` → ``decoupled_weight_decay``
-=================  ============================================================================
-
-.. important::
-
-   The default ``mask="auto"`` decays **weight matrices only** (no biases, norm scales,
-   embeddings, ``A_log``/``D``/``dt_bias``; see :mod:`optax_decoupled.masks`). PyTorch decays
-   every parameter of a group and ``optax.adamw`` every leaf unless given a mask. Pass
-   ``mask=None`` to reproduce them exactly.
-
-Every hyperparameter accepts a float or an array (which must broadcast to every parameter's
-shape without changing it), and the learning rate and the weight decay also an ``optax``
-schedule (a function of the step count); all aliases work inside
-``optax.inject_hyperparams`` (learning rate and weight decay can be injected and
-``jax.vmap``-ed), ``optax.MultiSteps``, ``optax.apply_if_finite`` and ``optax.chain``.
-
-Concrete hyperparameters are checked when the alias is called (a ``ValueError`` naming the
-argument). A schedule's values are checked at each step, like a number, where they are
-concrete: in an eager ``update`` (``od.adamw(lambda count: -1e-3)`` raises there instead of
-ascending the gradient). Under ``jax.jit`` the step count, hence the schedule's value, is traced
-and **not checked**, as for any traced hyperparameter.
+``adam_l2`` = ``add_l2_gradient`` → ``scale_by_adam`` → learning rate (coupled);
+``adamw`` = ``scale_by_adam`` → learning rate → ``decoupled_weight_decay``;
+``amsgrad`` = either with an AMSGrad convention; ``lion`` = ``scale_by_lion`` → learning
+rate → ``decoupled_weight_decay``.
 """
 
 from __future__ import annotations
@@ -54,7 +29,7 @@ def _check_lr(learning_rate: Any) -> None:
 def _scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
     """``optax.scale_by_learning_rate`` (same state), with a ``ValueError`` where the learning
     rate's shape would change an update's by broadcasting: checked up front for an array
-    (:func:`~optax_decoupled.transforms.check_hyperparameter_shapes`), on the scaled updates
+    (:func:`~optax_decoupled._src.transforms.check_hyperparameter_shapes`), on the scaled updates
     for a schedule (not called twice, nor traced where the update runs eagerly). A schedule's
     value is checked (>= 0, finite) where it is concrete, i.e. in an eager update."""
     if callable(learning_rate):  # the schedule's value checked at each step, as the decay's
@@ -118,7 +93,26 @@ def adam_l2(
       weight_decay: :math:`\lambda \ge 0` (float, array or schedule). Required.
       amsgrad: ``None`` or an AMSGrad convention (``"pytorch"``, ``"optax"``, ``"paper"``).
       mask: which leaves are regularised (default ``"auto"``: weight matrices only).
-      state_dtype: storage of the moments (:mod:`optax_decoupled.storage`).
+      state_dtype: storage of the moments (:func:`~optax_decoupled.resolve_storage`).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+      >>> grads = {"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)}
+      >>> tx = od.adam_l2(0.1, weight_decay=0.5)  # mask="auto": "w" regularised, "b" not
+      >>> updates, state = tx.update(grads, tx.init(params), params)
+      >>> # g' = λθ = 0.5 enters Adam, whose first step is ±η whatever its size:
+      >>> print(f"{float(updates['w'][0, 0]):.4f} {float(updates['b'][0]):.4f}")
+      -0.1000 -0.0000
+
+    References:
+      Kingma & Ba, `Adam: A Method for Stochastic Optimization
+      <https://arxiv.org/abs/1412.6980>`_, ICLR 2015.
+
+      References:
+        Loshchilov & Hutter, `Decoupled Weight Decay Regularization
+        <https://arxiv.org/abs/1711.05101>`_, ICLR 2019.
     """
     _check_lr(learning_rate)
     return optax.chain(
@@ -172,7 +166,22 @@ def adamw(
         given there is still checked (> 0, finite) but changes nothing, so one set of
         arguments can be swept over every convention.
       mask: which leaves are decayed (default ``"auto"``).
-      state_dtype: storage of the moments (:mod:`optax_decoupled.storage`).
+      state_dtype: storage of the moments (:func:`~optax_decoupled.resolve_storage`).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+      >>> grads = {"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)}
+      >>> tx = od.adamw(0.1, weight_decay=0.5)  # mask="auto": "w" decayed, "b" not
+      >>> updates, state = tx.update(grads, tx.init(params), params)
+      >>> # a zero gradient leaves only the decay, -ηλθ = -0.05, on the matrix:
+      >>> print(f"{float(updates['w'][0, 0]):.4f} {float(updates['b'][0]):.4f}")
+      -0.0500 -0.0000
+
+    References:
+      Loshchilov & Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, ICLR 2019.
     """
     _check_lr(learning_rate)
     V.check_choice("decay_convention", decay_convention, transforms.DECAY_CONVENTIONS)
@@ -237,7 +246,27 @@ def amsgrad(
         scheduled or injected learning rate; ignored (but checked) by ``"lr"`` and
         ``"constant"``; must be ``None`` with ``coupled=True``.
       mask: which leaves are decayed or regularised (default ``"auto"``).
-      state_dtype: storage of the moments (:mod:`optax_decoupled.storage`).
+      state_dtype: storage of the moments (:func:`~optax_decoupled.resolve_storage`).
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> import optax
+      >>> def loss(x):
+      ...     return jnp.sum((x - 3.0) ** 2)
+      >>> x = jnp.zeros(3)
+      >>> tx = od.amsgrad(0.1, variant="pytorch")
+      >>> state = tx.init(x)
+      >>> for _ in range(300):
+      ...     updates, state = tx.update(jax.grad(loss)(x), state, x)
+      ...     x = optax.apply_updates(x, updates)
+      >>> print(f"{float(loss(x)):.4f}")
+      0.0000
+
+    References:
+      Reddi, Kale & Kumar, `On the Convergence of Adam and Beyond
+      <https://openreview.net/forum?id=ryQu7f-RZ>`_, ICLR 2018.
     """
     V.check_choice("variant", variant, ("pytorch", "optax", "paper"))
     if not isinstance(coupled, bool):
@@ -311,7 +340,22 @@ def lion(
         scheduled or injected learning rate; ignored (but checked) by ``"lr"`` and
         ``"constant"``.
       mask: which leaves are decayed (default ``"auto"``).
-      state_dtype: storage of the momentum (:mod:`optax_decoupled.storage`).
+      state_dtype: storage of the momentum (:func:`~optax_decoupled.resolve_storage`).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+      >>> grads = {"w": -jnp.ones((2, 2)), "b": jnp.ones(2)}
+      >>> tx = od.lion(0.1, weight_decay=0.5)
+      >>> updates, state = tx.update(grads, tx.init(params), params)
+      >>> # -η·sign(g) - ηλθ on the matrix, -η·sign(g) on the bias:
+      >>> print(f"{float(updates['w'][0, 0]):.4f} {float(updates['b'][0]):.4f}")
+      0.0500 -0.1000
+
+    References:
+      Chen et al., `Symbolic Discovery of Optimization Algorithms
+      <https://arxiv.org/abs/2302.06675>`_, NeurIPS 2023.
     """
     _check_lr(learning_rate)
     V.check_choice("decay_convention", decay_convention, transforms.DECAY_CONVENTIONS)

@@ -1,43 +1,4 @@
-"""Which parameters get weight decay.
-
-A *mask* is resolved against the parameter pytree into a pytree of Python bools of the same
-structure (``True`` = decay this leaf). Accepted forms, everywhere a ``mask`` argument appears:
-
-* ``"auto"`` (the default): decay weight matrices only. A leaf is **not** decayed if its own
-  name (the last name in its ``/``-joined key path, list indices such as the ``0`` of
-  ``layers/0/kernel`` skipped)
-
-  - names a bias (contains ``bias``, or is ``b``),
-  - names a normalisation parameter (contains ``norm``, or is ``scale``, ``offset``, ``gamma``
-    or ``beta``),
-  - names an embedding (contains ``embed``),
-  - is one of the selective-SSM parameters ``A_log``, ``D``, ``dt_bias`` (what ``mamba_ssm``
-    marks ``_no_weight_decay``),
-
-  or if the module holding it (the name before the leaf's) is a bias, normalisation layer or
-  embedding by one of the words of its name (split at ``_``, ``-``, ``.``, digits and
-  camelCase): a word is ``bias``, ends in ``norm`` or ``normalization`` (``LayerNorm_0``,
-  ``final_norm``, ``norm1``, ``input_layernorm``) or starts with ``embed`` (``embed_tokens``,
-  ``word_embeddings``): Equinox's ``embedding/weight`` or ``norm/weight``. Other modules'
-  names do not matter, so a module named ``D`` or ``b``, or a ``denormalizer``, is decayed as
-  any other; a wrapper such as ``PreNorm_0/Dense_0/kernel`` is decayed too.
-
-  Otherwise a leaf is decayed iff it has ``ndim >= 2``. Name rules win over the ndim rule, so a
-  2-D ``A_log`` or a scan-stacked bias of shape ``(layers, features)`` is still excluded.
-* ``None``: decay every leaf (what ``torch.optim`` does within a parameter group, and what
-  ``optax.adamw(mask=None)`` does).
-* a pytree of bools with the parameters' structure (dicts, ``flax.nnx.State``, NamedTuples),
-  or a prefix of it as in Optax: ``{"encoder": True, "head": False}`` decays every leaf
-  under ``encoder`` and none under ``head``.
-* a callable ``params -> pytree of bools``. Inside ``optax.inject_hyperparams`` a plain callable
-  is taken for a schedule: pass ``static_args=("mask",)`` there, or use :func:`decay_mask`,
-  whose result is not callable.
-* :func:`decay_mask` rules by key path.
-
-Key paths are the ``/``-joined keys of :func:`jax.tree_util.tree_flatten_with_path`, e.g.
-``"layers/0/mixer/in_proj/kernel"``; the trailing ``value`` of a ``flax.nnx`` variable is
-dropped.
-"""
+"""Which parameters get weight decay: the ``mask`` argument and its ``"auto"`` rules."""
 
 from __future__ import annotations
 
@@ -216,6 +177,15 @@ def decay_mask(
 
     Raises:
       ValueError: if a pattern is not a valid regular expression or ``default`` is unknown.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> params = {"dense": {"kernel": jnp.ones((3, 3)), "bias": jnp.ones(3)},
+      ...           "A_log": jnp.ones((4, 2))}
+      >>> od.resolve_mask(od.decay_mask(include=r"kernel|A_log"), params)
+      {'A_log': True, 'dense': {'bias': False, 'kernel': True}}
+      >>> tx = od.adamw(1e-3, mask=od.decay_mask(exclude=r"^dense/"))
     """
     return DecayMask(include, exclude, default)
 
@@ -342,7 +312,7 @@ def _match_tree(mask_tree: Any, params: Any, argument: str) -> Any:
 
 def is_params_placeholder(params: Any) -> bool:
     """Whether ``params`` is the stand-in that ``optax.tree_utils.tree_map_params`` (used by
-    :func:`optax_decoupled.sharding.state_shardings`) passes to ``init`` in place of the whole
+    :func:`optax_decoupled.contrib.state_shardings`) passes to ``init`` in place of the whole
     parameter tree: one object with no leaves, against which a mask pytree cannot be checked.
     An ``init`` whose state does not depend on the mask skips the check for it."""
     cls = type(params)
@@ -352,9 +322,55 @@ def is_params_placeholder(params: Any) -> bool:
 def resolve_mask(mask: MaskArg, params: Any, *, argument: str = "mask") -> Any:
     """Resolves any accepted ``mask`` form into a pytree of bools shaped like ``params``.
 
+    A *mask* is resolved against the parameter pytree into a pytree of Python bools of the same
+    structure (``True`` = decay this leaf). Accepted forms, everywhere a ``mask`` argument appears:
+
+    * ``"auto"`` (the default): decay weight matrices only. A leaf is **not** decayed if its own
+      name (the last name in its ``/``-joined key path, list indices such as the ``0`` of
+      ``layers/0/kernel`` skipped)
+
+      - names a bias (contains ``bias``, or is ``b``),
+      - names a normalisation parameter (contains ``norm``, or is ``scale``, ``offset``, ``gamma``
+        or ``beta``),
+      - names an embedding (contains ``embed``),
+      - is one of the selective-SSM parameters ``A_log``, ``D``, ``dt_bias`` (what ``mamba_ssm``
+        marks ``_no_weight_decay``),
+
+      or if the module holding it (the name before the leaf's) is a bias, normalisation layer or
+      embedding by one of the words of its name (split at ``_``, ``-``, ``.``, digits and
+      camelCase): a word is ``bias``, ends in ``norm`` or ``normalization`` (``LayerNorm_0``,
+      ``final_norm``, ``norm1``, ``input_layernorm``) or starts with ``embed`` (``embed_tokens``,
+      ``word_embeddings``): Equinox's ``embedding/weight`` or ``norm/weight``. Other modules'
+      names do not matter, so a module named ``D`` or ``b``, or a ``denormalizer``, is decayed as
+      any other; a wrapper such as ``PreNorm_0/Dense_0/kernel`` is decayed too.
+
+      Otherwise a leaf is decayed iff it has ``ndim >= 2``. Name rules win over the ndim rule, so a
+      2-D ``A_log`` or a scan-stacked bias of shape ``(layers, features)`` is still excluded.
+    * ``None``: decay every leaf (what ``torch.optim`` does within a parameter group, and what
+      ``optax.adamw(mask=None)`` does).
+    * a pytree of bools with the parameters' structure (dicts, ``flax.nnx.State``, NamedTuples),
+      or a prefix of it as in Optax: ``{"encoder": True, "head": False}`` decays every leaf
+      under ``encoder`` and none under ``head``.
+    * a callable ``params -> pytree of bools``. Inside ``optax.inject_hyperparams`` a plain callable
+      is taken for a schedule: pass ``static_args=("mask",)`` there, or use :func:`decay_mask`,
+      whose result is not callable.
+    * :func:`decay_mask` rules by key path.
+
+    Key paths are the ``/``-joined keys of :func:`jax.tree_util.tree_flatten_with_path`, e.g.
+    ``"layers/0/mixer/in_proj/kernel"``; the trailing ``value`` of a ``flax.nnx`` variable is
+    dropped.
+
     Raises:
       ValueError: naming the first mismatching key path if a mask pytree (or a callable's
         result) does not have the parameters' structure, or a leaf is not a bool.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> params = {"encoder": {"kernel": jnp.ones((3, 3)), "bias": jnp.ones(3)},
+      ...           "norm": {"scale": jnp.ones(3)}, "A_log": jnp.ones((4, 2))}
+      >>> od.resolve_mask("auto", params)
+      {'A_log': False, 'encoder': {'bias': False, 'kernel': True}, 'norm': {'scale': False}}
     """
     if mask is None:
         return _from_rule(lambda c, n: True, params)

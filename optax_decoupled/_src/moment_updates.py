@@ -121,7 +121,7 @@ class AdamDirection:
     by ``amsgrad`` convention, as :func:`optax_decoupled.scale_by_adam` documents (``None``,
     ``"pytorch"``, ``"optax"``, ``"paper"``). ``bc1``, ``bc2`` are the bias corrections
     :math:`1-\beta_k^t`. A storage may compute it in the same pass as the moments
-    (:func:`optax_decoupled.storage.update_moments_and_output`).
+    (:func:`optax_decoupled._src.storage.update_moments_and_output`).
     """
 
     bc1: Any

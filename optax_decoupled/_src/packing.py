@@ -1,69 +1,4 @@
-r"""Packed (multi-tensor) optimizers: a few contiguous buffers instead of one per leaf.
-
-An Optax optimizer keeps one buffer per parameter leaf for each moment and runs a few small
-kernels per leaf; for a model of many small leaves the step time, the number of buffers handed
-to every jitted call, and the compile time all grow with the number of leaves. Packing groups
-the leaves by *(decayed?, dtype)*, flattens each group and concatenates it (in ``jax.tree``
-order) into one 1-D buffer, zero-padded to a multiple of :data:`ALIGN` elements, and runs the
-optimizer on that small tree::
-
-    {"decay": {"float32": f32[n_decayed]}, "no_decay": {"float32": f32[n_other]}}
-
-Two ways to use it:
-
-* :func:`packed` wraps an optimizer factory; parameters and gradients stay ordinary pytrees::
-
-      tx = od.packed(od.adamw)(1e-3, weight_decay=0.05)      # same arguments as od.adamw
-
-  Its state (Adam's ``mu``/``nu``, AMSGrad's ``nu_max``, Lion's ``mu``) for the small leaves
-  is a handful of arrays whatever their number, and the optimizer's math for them compiles to
-  a few large loops. Each step concatenates their gradients and parameters and slices the
-  updates back out, which costs memory traffic: a win for small leaves, a loss for big ones,
-  which therefore keep their own buffers (``max_leaf_size``, see ``docs/performance.md``).
-
-* **Flat parameters**: keep the parameters themselves packed, unpack them inside the loss, and
-  give the optimizer the layout's mask. The optimizer step then touches a few buffers whatever
-  the number of leaves, and costs what a single-leaf step costs::
-
-      layout = od.packed_layout(params)                       # mask="auto", resolved per leaf
-      flat = layout.pack(params)
-      tx = od.adamw(1e-3, weight_decay=0.05, mask=layout.mask)
-      loss = lambda flat, batch: model_loss(layout.unpack(flat), batch)  # grads come packed
-
-Why it is exact: the transforms of this package are elementwise and use the parameters only
-for weight decay, so running them on concatenated leaves computes the same floating-point
-operations, element by element, as running them leaf by leaf. The decay mask is resolved per
-**original** leaf (``"auto"``, ``None``, pytrees, callables and ``decay_mask`` rules work as in
-the unpacked aliases); decayed and non-decayed leaves go to different buffers and the inner
-optimizer gets :data:`PACKED_MASK`, which decays the ``"decay"`` buffers only. Executed op by
-op, results are bitwise identical to the unpacked optimizer's (0-d leaves aside, to the last
-bit: XLA divides a vector by a scalar as a multiplication by its reciprocal); under ``jit``,
-XLA contracts multiply-adds into FMAs within a fusion, and the fusions differ, so the two agree
-to float rounding, as a jitted and an eager run of the same optimizer do
-(``tests/test_packed.py``).
-
-One more exception: bfloat16 moments with stochastic rounding
-(``FloatStorage(..., rounding="stochastic")``) draw their random bits from an element's index
-in its array, which in a packed buffer is its offset there, not its index in the leaf: packed
-and unpacked runs round differently (both without bias), so they agree on average, not bit
-for bit.
-
-Not for: transforms that need a leaf's shape or whole leaves (``optax.scale_by_trust_ratio`` and
-other layer-wise rules, per-leaf norms, Shampoo-style preconditioners), and block-wise quantized
-moments, whose blocks would then straddle leaves (valid, but not identical to per-leaf blocks).
-Global reductions such as ``optax.clip_by_global_norm`` are fine (same norm up to summation
-order). Parameters must be on one device or fully replicated: concatenating leaves sharded
-across devices would reshard them every step, so :func:`packed` refuses them; keep the unpacked
-optimizer for sharded models.
-
-Checkpointing: a packed state is a NamedTuple of a few arrays, and Orbax or ``np.savez`` store
-it as is. It also records, statically (in its tree structure, not as arrays), the parameters
-it was built for (:class:`PackedParams`): ``update`` refuses parameters or gradients of other
-shapes, dtypes or structure with a ``ValueError`` naming the leaf, as the unpacked optimizer
-does (a tree whose leaves fill the same buffers would otherwise mix the moments of different
-leaves). :meth:`PackedLayout.unpack_state` and :meth:`PackedLayout.pack_state` convert a
-state between the packed and the unpacked optimizer (e.g. to resume an unpacked run packed).
-"""
+"""Packed (multi-tensor) optimizers: a few contiguous buffers instead of one per leaf."""
 
 from __future__ import annotations
 
@@ -280,7 +215,7 @@ class PackedLayout:
         """The inner optimizer's state with every packed moment unpacked to the parameters'
         structure: the state the unpacked optimizer would have. ``state`` may be a
         :class:`PackedState`, its ``inner_state``, or the state of a chain or wrapper around
-        the packed optimizer (``optax.chain(clip, od.packed(od.adamw)(...))``,
+        the packed optimizer (``optax.chain(clip, od.contrib.packed(od.adamw)(...))``,
         ``optax.apply_if_finite(...)``): each :class:`PackedState` in it is replaced by its
         unpacked inner state, as the same chain of the unpacked optimizer has it."""
         is_packed_state = lambda x: isinstance(x, PackedState)  # noqa: E731
@@ -504,14 +439,79 @@ def packed(
 ) -> Callable[..., Any]:
     r"""Wraps an optimizer factory so that it runs on a few packed buffers.
 
-    ``od.packed(od.adamw)`` has the signature of :func:`~optax_decoupled.adamw` and builds the
-    same optimizer, computed on one 1-D buffer per *(decayed?, dtype)* group (see the module
-    docstring): identical results, a state of a few arrays, per-step overhead and compile time
+    ``od.contrib.packed(od.adamw)`` has the signature of :func:`~optax_decoupled.adamw` and
+    builds the same optimizer, computed on one 1-D buffer per *(decayed?, dtype)* group (below):
+    identical results, a state of a few arrays, per-step overhead and compile time
     that no longer grow with the number of leaves. It composes like any Optax factory::
 
-        tx = od.packed(od.adamw)(1e-3, weight_decay=0.05, mask=od.decay_mask(exclude="head"))
-        tx = optax.inject_hyperparams(od.packed(od.lion))(learning_rate=schedule)
-        tx = optax.chain(optax.clip_by_global_norm(1.0), od.packed(od.amsgrad)(1e-3))
+        mask = od.decay_mask(exclude="head")
+        tx = od.contrib.packed(od.adamw)(1e-3, weight_decay=0.05, mask=mask)
+        tx = optax.inject_hyperparams(od.contrib.packed(od.lion))(learning_rate=schedule)
+        tx = optax.chain(optax.clip_by_global_norm(1.0), od.contrib.packed(od.amsgrad)(1e-3))
+
+    An Optax optimizer keeps one buffer per parameter leaf for each moment and runs a few small
+    kernels per leaf; for a model of many small leaves the step time, the number of buffers handed
+    to every jitted call, and the compile time all grow with the number of leaves. Packing groups
+    the leaves by *(decayed?, dtype)*, flattens each group and concatenates it (in ``jax.tree``
+    order) into one 1-D buffer, zero-padded to a multiple of :data:`ALIGN` elements, and runs the
+    optimizer on that small tree::
+
+        {"decay": {"float32": f32[n_decayed]}, "no_decay": {"float32": f32[n_other]}}
+
+    Two ways to use it:
+
+    * :func:`packed` wraps an optimizer factory; parameters and gradients stay ordinary pytrees::
+
+          tx = od.contrib.packed(od.adamw)(1e-3, weight_decay=0.05)  # od.adamw's arguments
+
+      Its state (Adam's ``mu``/``nu``, AMSGrad's ``nu_max``, Lion's ``mu``) for the small leaves
+      is a handful of arrays whatever their number, and the optimizer's math for them compiles to
+      a few large loops. Each step concatenates their gradients and parameters and slices the
+      updates back out, which costs memory traffic: a win for small leaves, a loss for big ones,
+      which therefore keep their own buffers (``max_leaf_size``, see ``docs/performance.md``).
+
+    * **Flat parameters**: keep the parameters themselves packed, unpack them inside the loss, and
+      give the optimizer the layout's mask. The optimizer step then touches a few buffers whatever
+      the number of leaves, and costs what a single-leaf step costs::
+
+          layout = od.contrib.packed_layout(params)  # mask="auto", resolved per leaf
+          flat = layout.pack(params)
+          tx = od.adamw(1e-3, weight_decay=0.05, mask=layout.mask)
+          loss = lambda flat, batch: model_loss(layout.unpack(flat), batch)  # grads come packed
+
+    Why it is exact: the transforms of this package are elementwise and use the parameters only
+    for weight decay, so running them on concatenated leaves computes the same floating-point
+    operations, element by element, as running them leaf by leaf. The decay mask is resolved per
+    **original** leaf (``"auto"``, ``None``, pytrees, callables and ``decay_mask`` rules work as in
+    the unpacked aliases); decayed and non-decayed leaves go to different buffers and the inner
+    optimizer gets :data:`PACKED_MASK`, which decays the ``"decay"`` buffers only. Executed op by
+    op, results are bitwise identical to the unpacked optimizer's (0-d leaves aside, to the last
+    bit: XLA divides a vector by a scalar as a multiplication by its reciprocal); under ``jit``,
+    XLA contracts multiply-adds into FMAs within a fusion, and the fusions differ, so the two agree
+    to float rounding, as a jitted and an eager run of the same optimizer do
+    (``tests/test_packed.py``).
+
+    One more exception: bfloat16 moments with stochastic rounding
+    (``FloatStorage(..., rounding="stochastic")``) draw their random bits from an element's index
+    in its array, which in a packed buffer is its offset there, not its index in the leaf: packed
+    and unpacked runs round differently (both without bias), so they agree on average, not bit
+    for bit.
+
+    Not for: transforms that need a leaf's shape or whole leaves (``optax.scale_by_trust_ratio`` and
+    other layer-wise rules, per-leaf norms, Shampoo-style preconditioners), and block-wise quantized
+    moments, whose blocks would then straddle leaves (valid, but not identical to per-leaf blocks).
+    Global reductions such as ``optax.clip_by_global_norm`` are fine (same norm up to summation
+    order). Parameters must be on one device or fully replicated: concatenating leaves sharded
+    across devices would reshard them every step, so :func:`packed` refuses them; keep the unpacked
+    optimizer for sharded models.
+
+    Checkpointing: a packed state is a NamedTuple of a few arrays, and Orbax or ``np.savez`` store
+    it as is. It also records, statically (in its tree structure, not as arrays), the parameters
+    it was built for (:class:`PackedParams`): ``update`` refuses parameters or gradients of other
+    shapes, dtypes or structure with a ``ValueError`` naming the leaf, as the unpacked optimizer
+    does (a tree whose leaves fill the same buffers would otherwise mix the moments of different
+    leaves). :meth:`PackedLayout.unpack_state` and :meth:`PackedLayout.pack_state` convert a
+    state between the packed and the unpacked optimizer (e.g. to resume an unpacked run packed).
 
     Args:
       factory: a function returning an **elementwise** :class:`optax.GradientTransformation`:
@@ -542,7 +542,7 @@ def packed(
     _check_options(align, max_leaf_size)
     if isinstance(factory, optax.GradientTransformation) or not callable(factory):
         raise TypeError(
-            "packed() takes an optimizer factory, e.g. od.packed(od.adamw)(1e-3, "
+            "packed() takes an optimizer factory, e.g. od.contrib.packed(od.adamw)(1e-3, "
             f"weight_decay=0.1), not a {type(factory).__name__}: a built transformation's decay "
             "mask would be resolved on the packed buffers instead of your parameter leaves. To "
             "pack a chain, write a factory that accepts `mask` and passes it on."

@@ -1,74 +1,8 @@
-r"""Block-wise 8-bit quantization with the dynamic (tree) maps of Dettmers et al.
+"""Block-wise 8-bit quantization with the dynamic (tree) maps of Dettmers et al. (2022).
 
-Dettmers, Lewis, Shleifer & Zettlemoyer, "8-bit Optimizers via Block-wise Quantization",
-ICLR 2022 (Sec. 2): a tensor is cut into blocks of :math:`B` consecutive elements; each block
-keeps one float32 scale :math:`N_b = \max_{i\in b}|x_i|` (its *absmax*) and one 8-bit code per
-element, the index of the entry of a 256-value *map* :math:`Q` (sorted, in :math:`[-1, 1]`)
-nearest to :math:`x_i / N_b`:
-
-.. math::
-
-    c_i = \operatorname*{arg\,min}_{j} \big| Q_j - x_i / N_b \big|, \qquad
-    \tilde x_i = Q_{c_i} \, N_b .
-
-**The dynamic maps.** *Dynamic tree quantization* (Dettmers, "8-Bit Approximations for
-Parallelism in Deep Learning", ICLR 2016; the 2022 paper, Sec. 2.2 and Fig. 2) reads an 8-bit
-code as: a sign bit; :math:`E` zero bits giving the decimal exponent :math:`10^{-E}`; an
-indicator bit (the first 1); and the remaining :math:`F = 7 - E - 1` bits as a *linear fraction*
-that splits :math:`[0.1, 1]` into :math:`2^F` equal bins, represented by their midpoints. So
-every decade :math:`[10^{-E-1}, 10^{-E}]` for :math:`E = 0..6` gets :math:`2^{6-E}` values:
-many near the block's maximum, few but still some down to :math:`\approx 5\cdot10^{-7}`. The
-all-zero pattern is 0 and the remaining pattern is 1.0 (so a block's maximum is exact).
-
-* :func:`dynamic_map` ``(signed=True)``: the signed map, for moments of either sign (Adam's and
-  Lion's :math:`\mu`): 127 positive, 127 negative values, 0 and 1 (it has no -1: a block whose
-  absmax is a negative element stores it as :math:`-0.993 N_b`).
-* ``dynamic_map(signed=False)``: the unsigned map, for non-negative moments (:math:`\nu`,
-  :math:`\nu_{max}`): the sign bit becomes one more fraction bit, :math:`2^{7-E}` values per
-  decade, 0 and 1. It has no negative value, so a quantized :math:`\nu` never dequantizes
-  to a negative number.
-
-Both are built here from that description and checked (``tests/test_quantization.py``)
-against the maps recorded from bitsandbytes' ``create_dynamic_map`` by
-``tests/golden/make_dynamic_maps.py``.
-
-**Rounding.** :func:`quantize_blocks` rounds to the *nearest* map value exactly (ties toward
-the value of smaller magnitude), so the round-trip error of an element is at most half the gap
-between the two map values around :math:`x_i/N_b`, times :math:`N_b`
-(:func:`max_roundtrip_error`). The nearest code is found with a lookup table indexed by the
-top bits of :math:`|x_i/N_b|` as a float32 (exponent and the leading mantissa bits) plus one
-comparison, i.e. two small gathers per element, instead of a binary search over the map.
-bitsandbytes' CPU kernel uses an approximate search and picks a farther code for some
-elements: on the 8192 recorded inputs of ``tests/golden/bnb_dynamic_maps.npz``, 17-30% of all
-(per map and block size), 0.2-1.2% of those with :math:`|x_i/N_b| \ge 10^{-3}` and 36-73% of
-the smaller ones (e.g. a value near zero stored as a small nonzero code). The tests check that
-our error is never larger than its error.
-
-**Extreme values.** Non-finite magnitudes are first saturated to :math:`\pm` the float32
-maximum, so an overflowing :math:`\nu = g^2 = \infty` is stored as ``float32.max`` (and reads
-back finite) instead of turning its whole block into NaN. A block of zeros has
-:math:`N_b = 0` and stores code 0 (the value 0) without dividing by zero. NaN stays NaN (for the
-whole block; ``optax.apply_if_finite`` is the tool for skipping such steps).
-
-**Layout.** :func:`quantize` flattens an array in row-major (C) order, pads it with zeros to a
-multiple of :math:`B` and reshapes to ``(n_blocks, B)``; the codes keep that 2-D shape and the
-scales have shape ``(n_blocks,)``. Padding never changes the result: zeros do not raise a
-block's absmax, and :func:`dequantize` drops the padded tail. Block ``b`` holds the flat
-elements ``[b B, (b+1) B)``, so a shard along the leading axis of a parameter of shape
-``(d_0, ...)`` split over :math:`S` devices is a whole number of blocks exactly when
-:math:`(\mathrm{size}/S) \bmod B = 0`, e.g. whenever the product of the trailing dimensions is
-a multiple of :math:`B` and :math:`S` divides :math:`d_0`. Then the codes' and scales'
-leading axis shards the same way and quantization needs no communication.
-
-**Explicit meshes.** On a mesh with *Explicit* axes (the default of ``jax.make_mesh``) the
-sharding is part of an array's type and reshapes of sharded dimensions need an output
-sharding, so :func:`quantize` lays the blocks out itself, by the rule of
-:func:`optax_decoupled.storage.stored_sharding`: codes and scales split over the mesh axes of
-the array's leading axis when their number of shards divides ``n_blocks``, replicated
-otherwise. With whole blocks per shard each device quantizes its own rows (local reshapes, no
-communication); otherwise the array is gathered, quantized whole and the result sliced.
-:func:`dequantize` given an array rather than a shape returns values with that array's
-sharding. The values are the same as on one device.
+:func:`quantize` and :func:`dequantize` convert an array to and from a
+:class:`QuantizedArray` (uint8 codes and one float32 scale per block); :func:`requantize` is
+the fused read-modify-write that 8-bit optimizer state uses each step.
 """
 
 from __future__ import annotations
@@ -99,6 +33,12 @@ def dynamic_map(signed: bool = True) -> np.ndarray:
     Args:
       signed: ``True`` for the signed map (values in ``[-0.993, 1]``), ``False`` for the
         unsigned map (values in ``[0, 1]``).
+
+    Examples:
+      >>> from optax_decoupled import contrib
+      >>> q = contrib.dynamic_map(signed=False)
+      >>> q.shape, float(q[0]), float(q[-1])
+      ((256,), 0.0, 1.0)
     """
     return _dynamic_map(bool(signed)).copy()
 
@@ -235,7 +175,7 @@ def _block_spec(sharding: jax.sharding.NamedSharding, n_blocks: int) -> Any:
     """The leading spec entry of the codes ``(n_blocks, B)`` and scales ``(n_blocks,)`` of an
     array with this (parameter) sharding: its leading axis's mesh axes when they divide
     ``n_blocks``, else ``None`` (replicated). :func:`quantize` and
-    :func:`optax_decoupled.storage.stored_sharding` share this rule."""
+    :func:`optax_decoupled._src.storage.stored_sharding` share this rule."""
     lead, shards = _leading_axes(sharding)
     return lead if lead is not None and n_blocks % shards == 0 else None
 
@@ -372,7 +312,93 @@ def _per_element(per_block: jax.Array, block_size: int, size: int) -> jax.Array:
 
 
 def quantize(x: jax.Array, *, signed: bool, block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizedArray:
-    """Block-wise quantize ``x`` (any shape): flatten (row-major), zero-pad, cut into blocks."""
+    r"""Block-wise quantize ``x`` (any shape): flatten (row-major), zero-pad, cut into blocks.
+
+    Dettmers, Lewis, Shleifer & Zettlemoyer, "8-bit Optimizers via Block-wise Quantization",
+    ICLR 2022 (Sec. 2): a tensor is cut into blocks of :math:`B` consecutive elements; each block
+    keeps one float32 scale :math:`N_b = \max_{i\in b}|x_i|` (its *absmax*) and one 8-bit code per
+    element, the index of the entry of a 256-value *map* :math:`Q` (sorted, in :math:`[-1, 1]`)
+    nearest to :math:`x_i / N_b`:
+
+    .. math::
+
+        c_i = \operatorname*{arg\,min}_{j} \big| Q_j - x_i / N_b \big|, \qquad
+        \tilde x_i = Q_{c_i} \, N_b .
+
+    **The dynamic maps.** *Dynamic tree quantization* (Dettmers, "8-Bit Approximations for
+    Parallelism in Deep Learning", ICLR 2016; the 2022 paper, Sec. 2.2 and Fig. 2) reads an 8-bit
+    code as: a sign bit; :math:`E` zero bits giving the decimal exponent :math:`10^{-E}`; an
+    indicator bit (the first 1); and the remaining :math:`F = 7 - E - 1` bits as a *linear fraction*
+    that splits :math:`[0.1, 1]` into :math:`2^F` equal bins, represented by their midpoints. So
+    every decade :math:`[10^{-E-1}, 10^{-E}]` for :math:`E = 0..6` gets :math:`2^{6-E}` values:
+    many near the block's maximum, few but still some down to :math:`\approx 5\cdot10^{-7}`. The
+    all-zero pattern is 0 and the remaining pattern is 1.0 (so a block's maximum is exact).
+
+    * :func:`dynamic_map` ``(signed=True)``: the signed map, for moments of either sign (Adam's and
+      Lion's :math:`\mu`): 127 positive, 127 negative values, 0 and 1 (it has no -1: a block whose
+      absmax is a negative element stores it as :math:`-0.993 N_b`).
+    * ``dynamic_map(signed=False)``: the unsigned map, for non-negative moments (:math:`\nu`,
+      :math:`\nu_{max}`): the sign bit becomes one more fraction bit, :math:`2^{7-E}` values per
+      decade, 0 and 1. It has no negative value, so a quantized :math:`\nu` never dequantizes
+      to a negative number.
+
+    Both are built here from that description and checked (``tests/test_quantization.py``)
+    against the maps recorded from bitsandbytes' ``create_dynamic_map`` by
+    ``tests/golden/make_dynamic_maps.py``.
+
+    **Rounding.** :func:`quantize_blocks` rounds to the *nearest* map value exactly (ties toward
+    the value of smaller magnitude), so the round-trip error of an element is at most half the gap
+    between the two map values around :math:`x_i/N_b`, times :math:`N_b`
+    (:func:`max_roundtrip_error`). The nearest code is found with a lookup table indexed by the
+    top bits of :math:`|x_i/N_b|` as a float32 (exponent and the leading mantissa bits) plus one
+    comparison, i.e. two small gathers per element, instead of a binary search over the map.
+    bitsandbytes' CPU kernel uses an approximate search and picks a farther code for some
+    elements: on the 8192 recorded inputs of ``tests/golden/bnb_dynamic_maps.npz``, 17-30% of all
+    (per map and block size), 0.2-1.2% of those with :math:`|x_i/N_b| \ge 10^{-3}` and 36-73% of
+    the smaller ones (e.g. a value near zero stored as a small nonzero code). The tests check that
+    our error is never larger than its error.
+
+    **Extreme values.** Non-finite magnitudes are first saturated to :math:`\pm` the float32
+    maximum, so an overflowing :math:`\nu = g^2 = \infty` is stored as ``float32.max`` (and reads
+    back finite) instead of turning its whole block into NaN. A block of zeros has
+    :math:`N_b = 0` and stores code 0 (the value 0) without dividing by zero. NaN stays NaN (for the
+    whole block; ``optax.apply_if_finite`` is the tool for skipping such steps).
+
+    **Layout.** :func:`quantize` flattens an array in row-major (C) order, pads it with zeros to a
+    multiple of :math:`B` and reshapes to ``(n_blocks, B)``; the codes keep that 2-D shape and the
+    scales have shape ``(n_blocks,)``. Padding never changes the result: zeros do not raise a
+    block's absmax, and :func:`dequantize` drops the padded tail. Block ``b`` holds the flat
+    elements ``[b B, (b+1) B)``, so a shard along the leading axis of a parameter of shape
+    ``(d_0, ...)`` split over :math:`S` devices is a whole number of blocks exactly when
+    :math:`(\mathrm{size}/S) \bmod B = 0`, e.g. whenever the product of the trailing dimensions is
+    a multiple of :math:`B` and :math:`S` divides :math:`d_0`. Then the codes' and scales'
+    leading axis shards the same way and quantization needs no communication.
+
+    **Explicit meshes.** On a mesh with *Explicit* axes (the default of ``jax.make_mesh``) the
+    sharding is part of an array's type and reshapes of sharded dimensions need an output
+    sharding, so :func:`quantize` lays the blocks out itself, by the rule of
+    :func:`~optax_decoupled._src.storage.stored_sharding`: codes and scales split over the mesh
+    axes of the array's leading axis when their number of shards divides ``n_blocks``, replicated
+    otherwise. With whole blocks per shard each device quantizes its own rows (local reshapes, no
+    communication); otherwise the array is gathered, quantized whole and the result sliced.
+    :func:`dequantize` given an array rather than a shape returns values with that array's
+    sharding. The values are the same as on one device.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from optax_decoupled import contrib
+      >>> x = jnp.linspace(-1.0, 1.0, 1000)
+      >>> q = contrib.quantize(x, signed=True, block_size=256)
+      >>> q.codes.shape, q.absmax.shape
+      ((4, 256), (4,))
+      >>> err = jnp.max(jnp.abs(contrib.dequantize(q, x.shape) - x))
+      >>> print(bool(err < 0.01))
+      True
+
+    References:
+      Dettmers, Lewis, Shleifer & Zettlemoyer, `8-bit Optimizers via Block-wise Quantization
+      <https://arxiv.org/abs/2110.02861>`_, ICLR 2022.
+    """
     _check_block_size(block_size)
     sharding = _explicit_sharding(x)
     if sharding is not None:

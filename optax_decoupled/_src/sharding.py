@@ -1,21 +1,7 @@
-"""Sharding optimizer state like the parameters (ZeRO-style), with JAX's own SPMD.
+"""Optimizer state sharded like the parameters (ZeRO-style), with JAX's own SPMD.
 
-Every moment of this package's transforms has its parameter's shape, so the natural layout
-puts each moment on its parameter's sharding: FSDP-sharded weights get FSDP-sharded moments
-(ZeRO stage 1-3 for the optimizer state), replicated weights replicated moments.
-
-* Eagerly, ``tx.init(params)`` already does this: moments are created with
-  ``jnp.zeros_like(param)``, which keeps a concrete array's sharding.
-* Under ``jit`` the compiler cannot see the input shardings of a constant, so pass
-  ``out_shardings=state_shardings(tx, params)`` (this module), which is what
-  :func:`jit_init` does. ``update`` needs nothing: its outputs follow its inputs.
-
-Example::
-
-    mesh = jax.make_mesh((8,), ("fsdp",))
-    params = jax.device_put(params, param_shardings)
-    tx = optax_decoupled.adamw(1e-3)
-    opt_state = optax_decoupled.sharding.jit_init(tx, params)
+Every moment has its parameter's shape and takes its parameter's sharding; 8-bit codes and
+scales split along the leading axis where whole blocks allow.
 """
 
 from __future__ import annotations
@@ -119,7 +105,7 @@ def _shardings_by_key_path(
     (``optax.masked``, ``optax.multi_transform``): a state leaf whose key path ends with a
     parameter's key path (the longest such) and that has that parameter's shape (an 8-bit
     moment: as many blocks as the parameter needs) takes the parameter's sharding, as
-    :func:`~optax_decoupled.storage.stored_sharding` lays it out; every other leaf gets
+    :func:`~optax_decoupled._src.storage.stored_sharding` lays it out; every other leaf gets
     ``replicated``. ``None`` when no leaf matches a parameter (there are parameters)."""
     flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
     flat_shardings = jax.tree.leaves(param_shardings)
@@ -165,5 +151,17 @@ def _default_device() -> jax.Device:
 
 
 def jit_init(tx: optax.GradientTransformation, params: Any) -> Any:
-    """``tx.init`` compiled with every moment placed on its parameter's sharding."""
+    """``tx.init`` compiled with every moment placed on its parameter's sharding.
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> mesh = jax.make_mesh((1,), ("fsdp",))
+      >>> spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+      >>> params = {"w": jax.device_put(jnp.ones((8, 4)), spec)}
+      >>> state = od.contrib.jit_init(od.adamw(1e-3), params)
+      >>> tuple(od.diagnostics.find_adam_state(state).mu["w"].sharding.spec)
+      ('fsdp',)
+    """
     return jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)

@@ -62,7 +62,7 @@ def update_moments(
     inputs), as every moment update is. A storage may then compute this in its own way: one
     with an ``update(fn, stored, operands, like, signed, return_old=False)`` method does
     (8-bit storage requantizes chunk by chunk on CPU,
-    :func:`optax_decoupled.quantization.requantize`);
+    :func:`optax_decoupled._src.quantization.requantize`);
     for any other the result is exactly the read-compute-write above, which XLA fuses.
 
     With ``return_old`` the result is ``(new, stored)``: the old moments, from which a
@@ -286,6 +286,15 @@ class FloatStorage:
         stored value unbiased, seeded by the step count, so that a moment can drift by
         less than half an ulp per step, as ν with ``b2 = 0.999`` does; see
         ``docs/memory.md``).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> store = od.FloatStorage(jnp.bfloat16, "bfloat16", rounding="stochastic")
+      >>> tx = od.adamw(1e-3, b2=0.9995, state_dtype=store)
+      >>> state = tx.init({"w": jnp.ones((4, 4))})
+      >>> od.diagnostics.find_adam_state(state).nu["w"].dtype
+      dtype(bfloat16)
     """
 
     dtype: Any
@@ -368,6 +377,18 @@ class BlockwiseInt8Storage:
         bitsandbytes' optimizers) costs 1.016 bytes per element, 2048 (the paper's) 1.002.
       min_size: parameters with fewer elements keep float32 moments (bitsandbytes'
         ``min_8bit_size``, default 4096). ``0`` quantizes everything.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> tx = od.adamw(1e-3, state_dtype=od.BlockwiseInt8Storage(block_size=256, min_size=0))
+      >>> mu = od.diagnostics.find_adam_state(tx.init({"w": jnp.ones((16, 32))})).mu["w"]
+      >>> mu.codes.shape, mu.codes.dtype, mu.absmax.shape
+      ((2, 256), dtype('uint8'), (2,))
+
+    References:
+      Dettmers, Lewis, Shleifer & Zettlemoyer, `8-bit Optimizers via Block-wise Quantization
+      <https://arxiv.org/abs/2110.02861>`_, ICLR 2022.
     """
 
     block_size: int = quant_lib.DEFAULT_BLOCK_SIZE
@@ -431,8 +452,9 @@ class BlockwiseInt8Storage:
     ) -> Any:
         """:func:`update_moments` for 8-bit moments.
 
-        Quantized moments go through :func:`optax_decoupled.quantization.requantize`
-        (on CPU a chunk loop; elsewhere, and on a mesh with Explicit axes, whole arrays). Float32 moments of small parameters take the plain read-compute-write.
+        Quantized moments go through :func:`~optax_decoupled._src.quantization.requantize`
+        (on CPU a chunk loop; elsewhere, and on a mesh with Explicit axes, whole arrays).
+        Float32 moments of small parameters take the plain read-compute-write.
         """
         if not all(isinstance(s, quant_lib.QuantizedArray) for s in stored):
             return _read_compute_write(self, fn, stored, operands, like, signed, return_old)
@@ -448,7 +470,7 @@ class BlockwiseInt8Storage:
 
 
 def _quantized_zeros(param: jax.Array, *, signed: bool, block_size: int) -> Any:
-    """:func:`~optax_decoupled.quantization.quantize` of float32 zeros shaped like ``param``
+    """:func:`~optax_decoupled._src.quantization.quantize` of float32 zeros shaped like ``param``
     (8-bit moments' initial value). The zeros pass through an optimization barrier: as
     constants, XLA folded their quantization while compiling ``init``, which took 5 s at
     1e6 parameters and 23 s at 4e6 (2 cores); computed when the program runs it takes
@@ -464,7 +486,7 @@ def stored_sharding(stored: Any, param_sharding: Any) -> Any:
     """The sharding(s) for a stored moment whose parameter has ``param_sharding``.
 
     A plain array moment takes the parameter's sharding. A
-    :class:`~optax_decoupled.quantization.QuantizedArray` gets its codes ``(n_blocks, B)`` and
+    :class:`~optax_decoupled._src.quantization.QuantizedArray` gets its codes ``(n_blocks, B)`` and
     absmax ``(n_blocks,)`` split along their leading axis like the parameter's leading axis
     when that axis is sharded over ``S`` devices and ``S`` divides ``n_blocks`` (each device
     then holds the blocks of its own rows whenever ``(size / S) % B == 0``), and replicated
@@ -504,6 +526,13 @@ def resolve_storage(state_dtype: StateDtype, *, argument: str = "state_dtype") -
 
     Raises:
       ValueError: naming ``argument`` if the dtype is not one of the accepted values.
+
+    Examples:
+      >>> import optax_decoupled as od
+      >>> od.resolve_storage("int8")
+      BlockwiseInt8Storage(block_size=256, min_size=4096, name='int8')
+      >>> od.resolve_storage("bfloat16").name
+      'bfloat16'
     """
     if state_dtype is None:
         return ParamDtypeStorage()

@@ -1,21 +1,9 @@
-r"""The four building blocks: coupled L2, decoupled weight decay, Adam/AMSGrad scaling, Lion.
+r"""The building blocks: coupled L2, decoupled weight decay, Adam/AMSGrad scaling, Lion.
 
 Each function validates its concrete arguments and returns an
-:class:`optax.GradientTransformation` with a ``NamedTuple`` state, in the Optax idiom. They are
-meant to be chained; :mod:`optax_decoupled.aliases` gives the usual chains.
-
-*Coupled* regularisation changes the gradient **before** the adaptive scaling
-(:func:`add_l2_gradient`, then :func:`scale_by_adam`), so the penalty is rescaled per element by
-:math:`1/(\sqrt{\hat\nu}+\epsilon)`. *Decoupled* weight decay acts on the parameters **after**
-the adaptive scaling and the learning rate (:func:`decoupled_weight_decay` at the end of the
-chain), so every decayed element shrinks by the same factor (Loshchilov & Hutter, 2019).
-
-Steps are counted from :math:`t = 0` in ``state.count`` (as Optax does); bias corrections use
-:math:`t + 1`. Schedules are evaluated at ``count``, the same step index Optax's
-``scale_by_learning_rate`` uses, so a decay transform and the learning-rate scaling in one chain
-always see the same :math:`\eta_t`. A schedule's value is checked like a number (a learning
-rate or weight decay :math:`\ge 0`, finite) when it is concrete, i.e. in an eager ``update``;
-under ``jit`` it is traced and used unchecked (see :mod:`optax_decoupled._validation`).
+:class:`optax.GradientTransformation` with a ``NamedTuple`` state; ``aliases`` chains them
+into the usual optimizers. Steps are counted from 0 in ``state.count`` and schedules are read
+at ``count``, as in Optax, so every transform of a chain sees the same :math:`\eta_t`.
 """
 
 from __future__ import annotations
@@ -71,7 +59,7 @@ def _map_unzip(fn, tree: Any, *rest: Any) -> list[Any]:
 def _restore_quantized_moments(state: Any, unsigned: tuple[str, ...]) -> Any:
     """``state`` (a NamedTuple of moment trees) with 8-bit moments that an ``nnx.Optimizer``
     flattened into ``{codes, absmax}`` mappings rebuilt (see
-    :func:`~optax_decoupled.quantization.restore_quantized`); the fields in ``unsigned``
+    :func:`~optax_decoupled._src.quantization.restore_quantized`); the fields in ``unsigned``
     hold unsigned moments, the other moment fields signed ones."""
     fields = {}
     for name in state._fields:
@@ -180,10 +168,25 @@ def add_l2_gradient(
     Args:
       weight_decay: :math:`\lambda \ge 0`, a float, an array or a schedule of the step count
         (whose values are checked in an eager ``update``, not under ``jit``).
-      mask: which leaves are regularised; see :mod:`optax_decoupled.masks`.
+      mask: which leaves are regularised; see :func:`~optax_decoupled.resolve_mask`.
 
     Returns:
       An :class:`optax.GradientTransformation` whose ``update`` needs ``params``.
+
+    Examples:
+      >>> import optax
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> params = {"w": jnp.ones((2, 2))}
+      >>> tx = od.add_l2_gradient(0.1, mask=None)
+      >>> grads, _ = tx.update({"w": jnp.zeros((2, 2))}, tx.init(params), params)
+      >>> print(grads["w"][0])
+      [0.1 0.1]
+      >>> adam_l2 = optax.chain(tx, od.scale_by_adam(), optax.scale_by_learning_rate(1e-3))
+
+    References:
+      Loshchilov & Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, ICLR 2019.
     """
     _check_hyperparam("weight_decay", weight_decay)
     masks_lib.check_mask_arg(mask)
@@ -252,6 +255,20 @@ def decay_rate(
         ``weight_decay`` or ``learning_rate``, a missing ``learning_rate``, or a
         ``peak_learning_rate`` that is not a finite number > 0 (concrete values only: traced
         ones are used as given).
+
+    Examples:
+      >>> import optax_decoupled as od
+      >>> # Halfway down a schedule that peaked at 1e-3, λ = 0.1:
+      >>> print(f"{od.decay_rate(0.1, 'lr', 5e-4, None):.2e}")
+      5.00e-05
+      >>> print(f"{od.decay_rate(0.1, 'schedule', 5e-4, 1e-3):.2e}")
+      5.00e-02
+      >>> print(f"{od.decay_rate(0.1, 'corrected', 5e-4, 1e-3):.2e}")
+      2.50e-05
+
+    References:
+      Loshchilov & Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, ICLR 2019.
     """
     V.check_choice("convention", convention, DECAY_CONVENTIONS)
     values = (
@@ -352,13 +369,31 @@ def decoupled_weight_decay(
         only when ``learning_rate`` is a constant Python or NumPy number (then it is its own peak).
         ``"lr"`` and ``"constant"`` ignore it, but a given value is still checked (> 0, finite),
         so one set of arguments can be passed to every convention.
-      mask: which leaves are decayed; see :mod:`optax_decoupled.masks`.
+      mask: which leaves are decayed; see :func:`~optax_decoupled.resolve_mask`.
 
     Raises:
       ValueError: for a negative ``weight_decay``, an unknown ``convention``, a missing
         ``learning_rate``, or a missing/non-positive ``peak_learning_rate`` where needed; in
         ``update``, for a schedule whose concrete value at the step is negative or not finite
         (under ``jit`` schedule values are traced and not checked).
+
+    Examples:
+      >>> import optax
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> schedule = optax.linear_schedule(1e-3, 0.0, transition_steps=10)
+      >>> params = {"w": jnp.ones((2, 2))}
+      >>> # Loshchilov & Hutter's Alg. 2: s_t = λ η_t / η_peak, 0.1 at the first step.
+      >>> tx = od.decoupled_weight_decay(
+      ...     0.1, convention="schedule", learning_rate=schedule, peak_learning_rate=1e-3,
+      ...     mask=None)
+      >>> updates, _ = tx.update({"w": jnp.zeros((2, 2))}, tx.init(params), params)
+      >>> print(updates["w"][0])
+      [-0.1 -0.1]
+
+    References:
+      Loshchilov & Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, ICLR 2019.
     """
     V.check_choice("convention", convention, DECAY_CONVENTIONS)
     _check_hyperparam("weight_decay", weight_decay)
@@ -473,7 +508,7 @@ def scale_by_adam(
 
     Moments are computed in ``promote_types(state dtype, gradient dtype)``, at least float32
     for a bfloat16, float16 or 8-bit ``state_dtype``, and stored as ``state_dtype`` says
-    (:mod:`optax_decoupled.storage`); the output has the gradient's dtype.
+    (:func:`~optax_decoupled.resolve_storage`); the output has the gradient's dtype.
 
     Args:
       b1: :math:`\beta_1 \in [0, 1)`.
@@ -482,6 +517,22 @@ def scale_by_adam(
       eps_root: :math:`\epsilon_{root} \ge 0`, added inside the square root.
       amsgrad: ``None``, ``"pytorch"``, ``"optax"`` or ``"paper"``.
       state_dtype: how the moments are stored (``None``: the parameter dtype).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> tx = od.scale_by_adam(amsgrad="optax")  # optax.scale_by_amsgrad
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> updates, state = tx.update({"w": jnp.array([0.5, -2.0])}, state)
+      >>> print(f"{float(updates['w'][0]):.4f} {float(updates['w'][1]):.4f}")
+      1.0000 -1.0000
+
+    References:
+      Kingma & Ba, `Adam: A Method for Stochastic Optimization
+      <https://arxiv.org/abs/1412.6980>`_, ICLR 2015.
+
+      Reddi, Kale & Kumar, `On the Convergence of Adam and Beyond
+      <https://openreview.net/forum?id=ryQu7f-RZ>`_, ICLR 2018.
     """
     V.check_beta("b1", b1)
     V.check_beta("b2", b2)
@@ -579,6 +630,18 @@ def scale_by_lion(
       b1: :math:`\beta_1 \in [0, 1)`, the interpolation rate of the update.
       b2: :math:`\beta_2 \in [0, 1)`, the momentum's decay rate.
       state_dtype: how :math:`\mu` is stored (``None``: the parameter dtype).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> tx = od.scale_by_lion()
+      >>> updates, _ = tx.update({"w": jnp.array([0.5, -2.0, 0.0])}, tx.init({"w": jnp.zeros(3)}))
+      >>> print(updates["w"])
+      [ 1. -1.  0.]
+
+    References:
+      Chen et al., `Symbolic Discovery of Optimization Algorithms
+      <https://arxiv.org/abs/2302.06675>`_, NeurIPS 2023.
     """
     V.check_beta("b1", b1)
     V.check_beta("b2", b2)

@@ -1,15 +1,7 @@
-"""Argument checks shared by the transforms and aliases (internal).
+"""Argument checks shared by the transforms and aliases.
 
-Only *concrete* values are checked: Python and NumPy numbers and arrays, and JAX arrays that
-are not traced (every element of an array). Traced values (inside ``jit``, ``vmap`` or a
-jitted ``optax.inject_hyperparams`` update) pass through untouched, so hyperparameters can
-still be injected and batched.
-
-A schedule is checked through its values: the transforms run the same check on what it
-returns at each step (:func:`check_schedule_value`). In an eager ``update`` that value is
-concrete, so e.g. a learning-rate schedule that goes negative raises a ``ValueError`` at the
-first such step; under ``jit`` it is traced (it depends on the traced step count) and is
-**not** checked, as for any traced value.
+Only concrete values are checked; traced values (under ``jit``, ``vmap`` or a jitted
+``inject_hyperparams``) pass through, so hyperparameters can be injected and batched.
 """
 
 from __future__ import annotations

@@ -24,6 +24,11 @@ from optax_decoupled._src.storage import (
     MomentStorage,
     resolve_storage,
 )
+from optax_decoupled._src.timescale import (
+    convert_weight_decay,
+    timescale_for_weight_decay,
+    weight_decay_for_timescale,
+)
 from optax_decoupled._src.transforms import (
     AMSGRAD_VARIANTS,
     DECAY_CONVENTIONS,
@@ -56,6 +61,7 @@ __all__ = (
     "adamw",
     "amsgrad",
     "contrib",
+    "convert_weight_decay",
     "decay_mask",
     "decay_rate",
     "decoupled_weight_decay",
@@ -65,4 +71,6 @@ __all__ = (
     "resolve_storage",
     "scale_by_adam",
     "scale_by_lion",
+    "timescale_for_weight_decay",
+    "weight_decay_for_timescale",
 )

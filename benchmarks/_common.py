@@ -9,12 +9,9 @@ import dataclasses
 import datetime
 import json
 import os
-import pathlib
 import platform
 import re
-import runpy
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +22,7 @@ import numpy as np
 import optax
 
 import optax_decoupled as od
-from optax_decoupled._src.packing import PackedLayout, packed, packed_layout
+from optax_decoupled.contrib import PackedLayout, packed, packed_layout
 
 # ---------------------------------------------------------------------------------------------
 # Layouts
@@ -172,19 +169,8 @@ JAX_CONTENDERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     # not fuse outputs of different shapes), so this is the floor of every pytree step,
     # `od.contrib.packed` included; flat parameters are not bound by it.
     "floor: optax.sgd": lambda: optax.sgd(LR),
+    "od.adamw(int8)": lambda: od.adamw(LR, weight_decay=WD, state_dtype="int8"),
 }
-
-
-def int8_available() -> bool:
-    try:
-        od.resolve_storage("int8")
-    except (ValueError, TypeError):
-        return False
-    return True
-
-
-if int8_available():
-    JAX_CONTENDERS["od.adamw(int8)"] = lambda: od.adamw(LR, weight_decay=WD, state_dtype="int8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,30 +418,3 @@ def bytes_per_param(compiled, n: int) -> dict[str, Any]:
         "write_per_param": round(t["write"] / n, 2),
         "kernels": t["kernels"],
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# C++ harnesses of the CPU kernel (encoder_speed, kernel_pipeline)
-# ---------------------------------------------------------------------------------------------
-
-_BUILD_FLAGS = runpy.run_path(
-    str(pathlib.Path(__file__).parent.parent / "optax_decoupled" / "csrc" / "build_flags.py")
-)
-#: setup.py's flags for the kernel (optax_decoupled/csrc/build_flags.py: the compile flags,
-#: then the tuning flags, which setup.py adds where the compiler accepts them).
-KERNEL_FLAGS = [*_BUILD_FLAGS["COMPILE_FLAGS"], *_BUILD_FLAGS["TUNING_FLAGS"]]
-
-
-def compiler() -> str:
-    """The C++ compiler the harnesses are built with: ``CXX``, default ``g++``."""
-    return os.environ.get("CXX", "g++")
-
-
-def build_kernel_harness(source: pathlib.Path, binary: pathlib.Path) -> None:
-    """Compiles ``source`` (a harness that includes the kernel's source) to ``binary`` with
-    the kernel's flags and the XLA FFI headers of the installed jaxlib."""
-    subprocess.run(
-        [compiler(), *KERNEL_FLAGS, "-Wno-attributes", f"-I{jax.ffi.include_dir()}",
-         str(source), "-o", str(binary)],
-        check=True,
-    )  # fmt: skip

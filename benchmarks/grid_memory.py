@@ -22,9 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_decoupled.experiments import compare
+from optax_decoupled.experiments import compare, programs, training_step
 from optax_decoupled.experiments import tasks as tasks_lib
-from optax_decoupled.experiments import train as train_lib
 
 
 def step_memory(cfg: compare.CompareConfig, k: int, chunk: int | None) -> dict:
@@ -32,21 +31,21 @@ def step_memory(cfg: compare.CompareConfig, k: int, chunk: int | None) -> dict:
     model_config = cfg.model_config(task)
     spec = cfg.specs()["adamw"]
     make_tx = compare.make_tx_factory(spec, cfg.steps, cfg.warmup_steps, cfg.clip_norm)
-    graphdef = train_lib.model_graphdef(model_config)
-    opt_init, step_fn = train_lib._programs(graphdef, task, make_tx, chunk, None)
+    graphdef = training_step.model_graphdef(model_config)
+    opt_init, step_fn = programs.step_programs(graphdef, task, make_tx, chunk, None)
     hp = {
         "learning_rate": jnp.full((k,), 1e-3, jnp.float32),
         "weight_decay": jnp.full((k,), 0.1, jnp.float32),
     }
-    keys = jnp.stack([train_lib.seed_keys(i)[0] for i in range(k)])
+    keys = jnp.stack([training_step.seed_keys(i)[0] for i in range(k)])
 
     def init(keys, hp):
-        _, params, rest = train_lib.init_models(model_config, keys)
+        _, params, rest = training_step.init_models(model_config, keys)
         return params, rest, opt_init(params, hp)
 
     params, rest, opt_state = jax.eval_shape(init, keys, hp)
     data_key = jax.ShapeDtypeStruct((k, 2), jnp.uint32)
-    state = train_lib.TrainState(
+    state = programs.TrainState(
         jax.ShapeDtypeStruct((), jnp.int32), params, rest, opt_state, data_key
     )
     t0 = time.perf_counter()

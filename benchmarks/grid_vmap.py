@@ -20,7 +20,7 @@ configurations one at a time; the processes compile, wait for each other, then r
 side ``--repeats`` times. Its time is the slowest process's median, against the same
 ``sequential`` median.
 
-    python benchmarks/grid_vmap.py [--k 16] [--steps 100] [--floor] [--out results/grid_vmap.json]
+    python benchmarks/grid_vmap.py [--k 16] [--steps 100] [--floor]   # benchmarks/results/*.json
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--n-layers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="results/grid_vmap.json")
+    parser.add_argument("--out", default="benchmarks/results/grid_vmap.json")
     parser.add_argument(
         "--cpu-devices",
         type=int,
@@ -67,6 +67,7 @@ def main() -> None:
     xla_setup.configure_cpu(devices=args.cpu_devices)
     import jax
 
+    from optax_decoupled.experiments import programs
     from optax_decoupled.experiments import train as train_lib
 
     task, model, make_tx, hp, seeds, base = _grid_setup(args)
@@ -95,7 +96,7 @@ def main() -> None:
             )
             jax.block_until_ready(res.params)
 
-    chunk = train_lib.resolve_config_chunk(base.config_chunk)
+    chunk = programs.resolve_config_chunk(base.config_chunk)
     contenders = {
         "sequential": sequential,
         "one program (default)": one_program(base),
@@ -121,7 +122,7 @@ def main() -> None:
     med = {n: statistics.median(v) for n, v in times.items()}
     ratios = {n: med[n] / med["sequential"] for n in med}
     load = os.getloadavg()
-    mesh = train_lib.config_mesh(k)
+    mesh = programs.config_mesh(k)
     n_dev = 1 if mesh is None else mesh.size
     print(
         f"K = {k} configurations x {args.steps} steps (d_model {args.d_model}, "

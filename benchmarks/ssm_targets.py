@@ -1,6 +1,6 @@
 """Measure the SSM test bed's targets at CPU scale and the two scan backends' step times.
 
-Targets (issue 4):
+Targets:
   * induction heads: >= 99% validation accuracy within 600 steps (d_model 32-64);
   * selective copying (L = 32, 4 tokens): >= 99% per-token validation accuracy within 1000 steps;
   * sequential digits: >= 93% test accuracy;
@@ -10,7 +10,7 @@ Usage::
 
     python benchmarks/ssm_targets.py                      # everything (several CPU minutes)
     python benchmarks/ssm_targets.py --only induction copying
-    python benchmarks/ssm_targets.py --out results/ssm_targets.json --progress
+    python benchmarks/ssm_targets.py --progress       # writes benchmarks/results/ssm_targets.json
 
 Prints one line per result and a Markdown summary, and writes all numbers (including each
 evaluation) as JSON. docs/ssm.md records a run of this script. The two backends' step times
@@ -31,7 +31,7 @@ import jax
 import numpy as np
 import optax
 
-from optax_decoupled.experiments import ssm, tasks
+from optax_decoupled.experiments import schedules, ssm, tasks
 from optax_decoupled.experiments import train as train_lib
 
 TARGETS = {
@@ -77,7 +77,7 @@ def run_target(name: str, seed: int, progress: bool) -> dict:
     spec = TARGETS[name]
     task = spec["task"]()
     config = ssm.SSMConfig(**spec["model"], **task.model_kwargs())
-    make_tx = train_lib.scheduled(
+    make_tx = schedules.scheduled(
         optax.adamw,
         total_steps=spec["steps"],
         warmup_steps=spec["warmup"],
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timing-lengths", type=int, nargs="*", default=[64, 256])
     parser.add_argument("--timing-batch", type=int, default=32)
     parser.add_argument("--timing-steps", type=int, default=21)
-    parser.add_argument("--out", default="results/ssm_targets.json")
+    parser.add_argument("--out", default="benchmarks/results/ssm_targets.json")
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
 

@@ -16,8 +16,9 @@ buffer per decay group (``packed_layout(..., max_leaf_size=None)``: a handful of
     python benchmarks/step_overhead.py --sizes 1e6 --leaves 1 200      # CPU, ~1 minute
     python benchmarks/step_overhead.py --sizes 1e8 --leaves 1 200      # a GPU
 
-Writes JSON with ``--out``. Each contender is timed in a block of its own (not in turns with
-the others) and no ratios are printed: the numbers are absolute, for an idle device.
+Writes ``benchmarks/results/step_overhead.json`` (``--out``). Each contender is timed in a
+block of its own (not in turns with the others) and no ratios are printed: the numbers are
+absolute, for an idle device.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax
 import optax
 
 import optax_decoupled as od
-from optax_decoupled._src.packing import packed_layout
+from optax_decoupled.contrib import packed_layout
 
 
 def _contenders(params, grads):
@@ -107,7 +108,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--leaves", nargs="+", type=int, default=[1, 200])
     ap.add_argument("--loop-steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default="benchmarks/results/step_overhead.json")
     args = ap.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     rows = []

@@ -20,7 +20,7 @@ estimated from its optimized HLO (kernels x bytes each reads and writes).
     python benchmarks/update_step.py --quick     # < 1 minute: 1e6 parameters, 1 and 20 leaves
     python benchmarks/update_step.py             # full: 1 and 200 leaves x 1e6, 1e7, 5e7
     python benchmarks/update_step.py --sizes 1e8 2e8 --gpu     # what benchmarks/gpu.sh runs
-    python benchmarks/update_step.py --packed-target   # ~1 minute: issue #7's packed target
+    python benchmarks/update_step.py --packed-target   # ~1 minute: the packed-path target
 
 Writes ``benchmarks/results/update_step.json`` and a Markdown table (also printed) for
 ``docs/performance.md``.
@@ -67,7 +67,7 @@ TORCH = [
     "torch AdamW fused",
 ]
 
-#: ``--packed-target``: the layout and contenders of the packed-path target (issue #7): 200
+#: ``--packed-target``: the layout and contenders of the packed-path target : 200
 #: leaves / 1e6 parameters, packed with pytree and with flat parameters, against Optax, with the
 #: per-leaf floor of pytree steps and Optax built again (the run's noise floor).
 PACKED_TARGET = [
@@ -329,7 +329,7 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--packed-target",
         action="store_true",
-        help="200 leaves / 1e6 parameters, packed contenders only, no torch (issue #7)",
+        help="200 leaves / 1e6 parameters, packed contenders only, no torch ",
     )
     ap.add_argument("--sizes", type=float, nargs="*", default=None)
     ap.add_argument("--leaves", type=int, nargs="*", default=None)

@@ -7,9 +7,10 @@ Build (warnings are errors, as in CI)::
     make docs NB_EXECUTE=cache  # run the notebooks inside the build instead (cached)
 
 Markdown pages are MyST (``myst-nb`` also renders ``notebooks/*.ipynb`` through the
-``docs/notebooks`` symlink); the API reference is ``autodoc`` + ``napoleon`` over the core
-modules' docstrings, whose math MathJax renders in the browser. Nothing here needs network
-access at build time.
+``docs/notebooks`` symlink); the API reference is ``autodoc`` + ``napoleon`` over the
+docstrings of ``optax_decoupled``, ``optax_decoupled.diagnostics`` and
+``optax_decoupled.contrib``, whose math MathJax renders in the browser. Nothing here needs
+network access at build time.
 """
 
 from __future__ import annotations
@@ -124,10 +125,10 @@ def _skip_namedtuple_fields(app, what, name, obj, skip, options):
 
 
 # --- pages that may not exist yet ------------------------------------------------------------
-# index.md lists the experiment pages others write (reddi, ssm, memory, performance) as toctree
-# glob patterns. Sphinx warns about a pattern that matches nothing, and its warning cannot be
-# suppressed (Sphinx 9 logs it without a warning type), so such lines are dropped from the
-# source before parsing: a page shows up in the navigation as soon as its file exists.
+# index.md lists the notebooks as a toctree glob pattern (`notebooks/*`), so that a new notebook
+# shows up in the navigation as soon as its file exists. Sphinx warns about a pattern that
+# matches nothing, and its warning cannot be suppressed (Sphinx 9 logs it without a warning
+# type), so such lines are dropped from the source before parsing.
 _GLOB_LINE = re.compile(r"^([A-Za-z0-9_./-]*\*)[ \t]*$", re.MULTILINE)
 
 

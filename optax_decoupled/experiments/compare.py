@@ -39,7 +39,7 @@ import optax
 
 import optax_decoupled as od
 from optax_decoupled import diagnostics
-from optax_decoupled.experiments import report
+from optax_decoupled.experiments import schedules, train_results, training_step
 from optax_decoupled.experiments import tasks as tasks_lib
 from optax_decoupled.experiments import train as train_lib
 from optax_decoupled.experiments.ssm import SSMConfig
@@ -85,13 +85,13 @@ class OptimizerSpec:
 @functools.lru_cache(maxsize=64)
 def make_tx_factory(
     spec: OptimizerSpec, total_steps: int, warmup_steps: int, clip_norm: float | None
-) -> train_lib.MakeTx:
+) -> training_step.MakeTx:
     """``make_tx(learning_rate=peak, weight_decay=λ)`` with warmup + cosine and clipping.
 
     Cached so that repeated calls return the same object (the trainer caches compiled
     programs by it).
     """
-    return train_lib.scheduled(
+    return schedules.scheduled(
         spec.factory,
         total_steps=total_steps,
         warmup_steps=warmup_steps,
@@ -278,11 +278,11 @@ def param_group_norm_metrics(params: Any) -> dict[str, jax.Array]:
 
 def run_diagnostics(
     spec: OptimizerSpec,
-    run: train_lib.RunResult,
+    run: train_results.RunResult,
     index: int,
     task: tasks_lib.Task,
     cfg: CompareConfig,
-    res: train_lib.GridResult,
+    res: train_results.GridResult,
 ) -> dict[str, Any]:
     """Effective decay per element and update/param ratios of configuration ``index``."""
     params = jax.tree.map(lambda v: v[index], res.params)
@@ -308,14 +308,14 @@ def run_diagnostics(
     # One more step's update (not applied) for the update/parameter ratios, at the peak
     # learning rate as the decay above: at the end of the cosine schedule (the state's step
     # count) the learning rate is exactly 0, and so was every ratio.
-    make_tx = train_lib.scheduled(
+    make_tx = schedules.scheduled(
         spec.factory, total_steps=cfg.steps, warmup_steps=0, clip_norm=cfg.clip_norm,
         end_fraction=1.0, peak_name=spec.peak_name, **dict(spec.fixed),
     )  # fmt: skip
     batch = task.train_batch(jax.random.key(12345), jnp.asarray(0))
-    grads = jax.grad(lambda p: train_lib.loss_fn(p, batch, graphdef=res.graphdef, rest=rest)[0])(
-        params
-    )
+    grads = jax.grad(
+        lambda p: training_step.loss_fn(p, batch, graphdef=res.graphdef, rest=rest)[0]
+    )(params)
     hp = {n: jnp.asarray(v, jnp.float32) for n, v in best.items()}
     updates, _ = make_tx(**hp).update(grads, opt_state, params)
     ratios = {k: float(v) for k, v in diagnostics.update_ratios(updates, params).items()}
@@ -425,7 +425,7 @@ def run_comparison(
 
 
 # ---------------------------------------------------------------------------------------------
-# Text for the report, and the command line.
+# Text for the report.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -491,15 +491,3 @@ def summary_table(doc: dict[str, Any]) -> str:
         + "."
     )
     return "\n".join(lines)
-
-
-#: The ``optax-decoupled compare`` subcommand (options and entry point, shared with the report).
-add_arguments, run_cli = report.part_subcommand("compare", summary_table)
-
-
-if __name__ == "__main__":  # python -m optax_decoupled.experiments.compare: optax-decoupled compare
-    import sys
-
-    from optax_decoupled import cli
-
-    sys.exit(cli.main(["compare", *sys.argv[1:]]))

@@ -1,9 +1,14 @@
-"""Numbers as the reports print them."""
+"""Numbers and tables as the reports print them."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
+
+import optax_decoupled as od
 
 
 def number(value: Any, spec: str) -> str:
@@ -16,3 +21,25 @@ def number(value: Any, spec: str) -> str:
     if text.startswith("-") and digits and not digits.strip("0"):
         return ("+" if "+" in spec else "") + text[1:]
     return text
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,
+                   formats: dict[str, str] | None = None) -> str:  # fmt: skip
+    """A Markdown table of ``rows`` (dicts); ``formats`` maps a column to a format spec or to
+    ``"bytes"`` (:func:`optax_decoupled.contrib.format_bytes`)."""
+    if not rows:
+        return ""
+    columns = list(columns or rows[0])
+    formats = formats or {}
+
+    def cell(col, v):
+        fmt = formats.get(col)
+        if fmt == "bytes":
+            return od.contrib.format_bytes(v)
+        if fmt and isinstance(v, int | float | np.number):
+            return number(v, fmt)
+        return str(v)
+
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    out += ["| " + " | ".join(cell(c, r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(out)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from optax_decoupled.experiments import compare, report
+from optax_decoupled.experiments import compare
 from optax_decoupled.experiments import tasks as tasks_lib
 from optax_decoupled.experiments import train as train_lib
 from optax_decoupled.experiments.formatting import number
@@ -189,15 +189,3 @@ def summary_table(doc: dict[str, Any]) -> str:
             + " |"
         )
     return "\n".join(lines)
-
-
-#: The ``optax-decoupled grid`` subcommand (options and entry point, shared with the report).
-add_arguments, run_cli = report.part_subcommand("grid", summary_table)
-
-
-if __name__ == "__main__":  # python -m optax_decoupled.experiments.grid: optax-decoupled grid
-    import sys
-
-    from optax_decoupled import cli
-
-    sys.exit(cli.main(["grid", *sys.argv[1:]]))

@@ -17,12 +17,14 @@ an array split over them, reducing it) out of your own code: XLA:CPU runs them w
 in-process collectives, which can deadlock when several wait on the same computation (XLA
 then aborts after 40 s, "Termination timeout for `all reduce ...`"). Bring such arrays to the
 host first (``np.asarray``); :func:`~optax_decoupled.experiments.train.train_grid` hands its
-results back on one device for this reason (``train._off_cpu_mesh``).
+results back on one device for this reason (``programs.off_cpu_mesh``).
 """
 
 from __future__ import annotations
 
 import os
+
+import jax
 
 #: Lets XLA:CPU compile a whole while loop (one batch of runs) into one kernel.
 FAST_LOOPS_FLAG = "--xla_backend_extra_options=xla_cpu_small_while_loop_byte_threshold=100000000"
@@ -36,13 +38,19 @@ def cpu_devices_flag(count: int) -> str:
 
 
 def backends_started() -> bool:
-    """Whether a JAX backend is initialised (then new ``XLA_FLAGS`` have no effect)."""
-    try:
-        from jax._src import xla_bridge
+    """Whether a JAX backend is initialised (then new ``XLA_FLAGS`` have no effect).
 
-        return bool(xla_bridge.backends_are_initialized())
-    except (ImportError, AttributeError):  # a JAX without the probe: assume the worst
+    Asked through public configuration: JAX refuses a new ``jax_num_cpu_devices`` once a
+    backend runs (``RuntimeError``); before that the option is set to another value and back,
+    which changes nothing.
+    """
+    current = jax.config.jax_num_cpu_devices
+    try:
+        jax.config.update("jax_num_cpu_devices", current + 1 if current >= 0 else 1)
+    except RuntimeError:
         return True
+    jax.config.update("jax_num_cpu_devices", current)
+    return False
 
 
 def add_xla_flags(*flags: str) -> list[str]:

@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 SCALE  ?= quick
 OUT    ?= results
 
-.PHONY: install test lint report example docs notebooks clean
+.PHONY: install test test-integration test-all lint report example docs notebooks clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,16 +21,27 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The test command of the README and of CI: lint, the suite, and every notebook at smoke size.
 # Tests run in TEST_WORKERS pytest-xdist processes: one per core, at most 4 (each is a JAX
-# process of its own, a GiB or two; 0 runs them in this process). Compiling is single-threaded,
-# so two workers take the suite from 11.5 to 8.5 minutes on 2 cores (AMD EPYC, Zen 5; 11-19
-# minutes on 2 cores of an Intel Xeon, 16-18 on a Zen 4 EPYC, 18 on a Zen 3, 20-24 on a Zen 1).
+# process of its own, a GiB or two; 0 runs them in this process).
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = min(4, len(os.sched_getaffinity(0))); print(n if n > 1 else 0)" 2>/dev/null || echo 0)
+PYTEST := OPTAX_DECOUPLED_SMOKE=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
+# The test command of the README and of CI: lint, then the unit tier (every reference,
+# golden, property and bad-input test, the experiments' small tests and the doctests of the
+# package's docstrings; the experiments' modules are left out of the doctest collection, so
+# it needs only the core's dependencies). Under 5 minutes on 2 cores.
 test: lint
-	OPTAX_DECOUPLED_SMOKE=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) \
-		tests --nbmake notebooks
+	$(PYTEST) tests optax_decoupled --doctest-modules \
+		--ignore=tests/integration --ignore=optax_decoupled/experiments
+
+# The integration tier (tests/integration/): every notebook at smoke size, the wheel in a
+# clean virtual environment, multi-device programs, the CLI end to end and the benchmark
+# scripts at toy size; then the property and fuzz tests with the thorough Hypothesis profile.
+test-integration: $(STAMP)
+	$(PYTEST) tests/integration --nbmake notebooks
+	HYPOTHESIS_PROFILE=thorough $(PYTEST) tests/test_properties.py tests/test_fuzz.py
+
+test-all: test test-integration
 
 # The main job: the comparison report at its CPU-sized default scale.
 report: $(STAMP)
@@ -41,7 +52,7 @@ example: $(STAMP)
 	$(BIN)/python examples/nnx_train_step.py
 
 # Run every notebook top to bottom at its default size and store the outputs in the .ipynb files
-# (what the docs site shows; tests/test_notebooks.py checks they are there and error-free).
+# (what the docs site shows; tests/integration/test_notebooks.py checks them).
 notebooks: $(STAMP)
 	env -u OPTAX_DECOUPLED_SMOKE $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=1800 notebooks/*.ipynb

@@ -6,7 +6,7 @@
 * ``--xla_gpu_deterministic_ops``: bit-exact checks (a resumed run equals an uninterrupted
   one) need GPU kernels without atomics-order nondeterminism; it is ignored on CPU. A
   user's own ``XLA_FLAGS`` are kept.
-* Under pytest-xdist (``make test`` runs one worker per core), several processes share a GPU:
+* Under pytest-xdist (the Makefile runs one worker per core), several processes share a GPU:
   each allocates on demand instead of taking 75% of its memory up front (a user's own
   ``XLA_PYTHON_CLIENT_PREALLOCATE`` is kept). On CPU this changes nothing.
 """
@@ -23,3 +23,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads them when it starts)
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Hypothesis: the unit tier (`make test`) draws few examples per property; the integration
+# tier runs the property and fuzz tests again with HYPOTHESIS_PROFILE=thorough. Tests scale
+# their counts from `settings.default.max_examples`, the loaded profile's.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("unit", max_examples=10, deadline=None)
+settings.register_profile(
+    "thorough", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "unit"))

@@ -4,11 +4,11 @@ import argparse
 import dataclasses
 import json
 
-import jax
 import numpy as np
 import pytest
 
-from optax_decoupled.experiments import compare, grid, report, tasks
+from optax_decoupled import cli
+from optax_decoupled.experiments import compare, grid, plots, report
 from optax_decoupled.experiments import train as train_lib
 
 
@@ -52,8 +52,6 @@ def test_a_learning_rate_whose_runs_all_diverged_has_no_best_weight_decay():
     assert a["log_slope"] == pytest.approx(0.0, abs=1e-12)
     doc = {"optimizers": {"adamw": {"label": "AdamW", "runs": 9, "analysis": a}}}
     assert grid.summary_table(doc).splitlines()[2].endswith("| 0.1, 0.1, — |")
-    from optax_decoupled.experiments import plots
-
     cells = loss[..., None].tolist()  # one seed
     res = {"label": "AdamW", "learning_rates": lrs, "weight_decays": wds, "analysis": a,
            "val_loss": cells, "test_accuracy": cells}  # fmt: skip
@@ -64,8 +62,6 @@ def test_a_learning_rate_whose_runs_all_diverged_has_no_best_weight_decay():
 
 def test_the_heatmap_blanks_a_cell_where_one_seed_diverged():
     """As the analysis counts it: not the mean of the seeds that did not diverge."""
-    from optax_decoupled.experiments import plots
-
     lrs, wds = [1e-3, 1e-2], [0.1, 1.0]
     val = np.array([[[1.0, 1.2], [0.9, np.nan]], [[0.8, 0.8], [0.7, 0.9]]])  # (lr, wd, seed)
     a = grid.analyse(val.mean(axis=2), lrs, wds)
@@ -87,106 +83,6 @@ def test_specs_centre_lion_and_scale_decay_by_convention():
         compare.CompareConfig(optimizers=("sgd",)).specs()
 
 
-def test_vmapped_grid_equals_runs_one_by_one():
-    """A 2 x 2 lr x wd grid trained as one program equals the four runs done separately."""
-    task = tasks.sequential_digits(batch_size=8)
-    cfg = compare.CompareConfig.preset("smoke")
-    spec = compare.default_specs((1e-3, 1e-2), 2)["adamw"]
-    make_tx = compare.make_tx_factory(spec, 4, 1, 1.0)
-    hp, seeds = train_lib.product_grid(
-        {"learning_rate": spec.lrs, "weight_decay": spec.wds}, seeds=[0]
-    )
-    tcfg = train_lib.TrainConfig(steps=4, eval_every=4, progress=False, final_splits=("val",))
-    model = cfg.model_config(task)
-    together = train_lib.train_grid(task, model, make_tx, hp, seeds, tcfg)
-    for i, run in enumerate(together.runs):
-        alone = train_lib.train(
-            task, model, make_tx, seed=0, hparams={n: v[i] for n, v in hp.items()}, config=tcfg
-        )
-        np.testing.assert_allclose(run.train_loss, alone.train_loss, rtol=2e-5)
-        for a, b in zip(jax.tree.leaves(run.params), jax.tree.leaves(alone.params), strict=True):
-            np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
-
-
-@pytest.mark.slow
-def test_report_smoke_schema_and_resume(tmp_path):
-    """The main job at smoke size: every optimizer ran, files have their schema, and a second
-    invocation resumes (skips finished parts) instead of recomputing."""
-    path = report.run_report(tmp_path, scale="smoke", parts=("compare", "grid"), progress=False)
-    text = path.read_text()
-    assert "## Coupled L2 vs AdamW" in text and "## Learning rate × weight decay" in text
-    env = json.loads((tmp_path / "environment.json").read_text())
-    assert {"jax", "optax", "optax_decoupled", "device_kind", "cpu_kernel"} <= set(env)
-    assert ("8-bit/bfloat16 state built" in text) == env["cpu_kernel"]
-    calls = env["cpu_kernel_calls_compiled"]
-    assert (f"{calls} kernel call(s) compiled" in text) == env["cpu_kernel"]
-
-    doc = json.loads((tmp_path / "compare" / "results.json").read_text())
-    cfg = compare.CompareConfig.preset("smoke")
-    assert list(doc["optimizers"]) == list(cfg.optimizers)
-    for name, res in doc["optimizers"].items():
-        ev = res["evaluation"]
-        assert ev["runs"] == len(res["grid"]["learning_rate"]) * len(
-            res["grid"]["weight_decay"]
-        ) * len(cfg.eval_seeds)
-        assert len(ev["test_accuracy"]["values"]) == len(cfg.eval_seeds)
-        assert 0.0 <= ev["test_accuracy"]["mean"] <= 1.0
-        curve = np.asarray(ev["train_loss_curve"])
-        assert curve.shape == (cfg.steps,) and np.all(np.isfinite(curve))
-        assert len(set(curve.round(6))) > 1, f"{name} did not train"
-        diag = ev["diagnostics"]
-        assert diag["effective_decay"]["n"] > 0
-        assert sum(diag["effective_decay"]["log10_histogram"]) == diag["effective_decay"]["n"]
-        assert {"below_1e-12", "above_1"} <= set(diag["effective_decay"])
-        assert "norm/decayed" in diag["group_norms"]
-        ratios = np.asarray(list(diag["update_ratios"].values()))
-        assert np.all(np.isfinite(ratios)) and np.all(ratios > 0), diag["update_ratios"]
-        assert res["copying"]["steps_budget"] == cfg.copy_steps
-        # The learning rates as trained, unrounded (the best one was parsed back from a
-        # 3-digit display key before), and the best among them.
-        cp_lrs = [v["learning_rate"] for v in res["copying"]["per_learning_rate"].values()]
-        assert res["copying"]["best_learning_rate"] in cp_lrs
-        assert sorted(cp_lrs) == sorted(
-            ev["hparams"]["learning_rate"] * f for f in cfg.copy_lr_factors
-        ), (cp_lrs, ev["hparams"])
-        assert len(res["copying"]["steps_to_target"]) == len(cfg.eval_seeds)
-    for fig in doc["figures"]:
-        assert (tmp_path / "compare" / fig).stat().st_size > 1000
-
-    gdoc = json.loads((tmp_path / "grid" / "results.json").read_text())
-    gcfg = grid.GridConfig.preset("smoke")
-    for name in gcfg.optimizers:
-        res = gdoc["optimizers"][name]
-        shape = (len(gcfg.lrs), gcfg.n_wd, len(gcfg.seeds))
-        assert np.asarray(res["val_loss"]).shape == shape
-        assert np.all(np.isfinite(res["val_loss"]))
-        assert res["analysis"]["best"]["learning_rate"] in gcfg.lrs
-
-    marker = tmp_path / "compare" / "complete.json"
-    before = marker.stat().st_mtime_ns
-    logs = []
-    report.run_report(
-        tmp_path, scale="smoke", parts=("compare", "grid"), progress=False, log=logs.append
-    )
-    assert marker.stat().st_mtime_ns == before
-    assert sum("already done, skipped" in line for line in logs) == 2
-    # Rendered from results.json now, from the runs' own dicts before: the same settings
-    # lines (tuples printed as "(1, 2)" in one and "[1, 2]" in the other before).
-    settings = lambda t: [ln for ln in t.splitlines() if "seeds" in ln]  # noqa: E731
-    assert settings(text) and settings((tmp_path / "report.md").read_text()) == settings(text)
-
-    # One part asked for (twice): it runs once, and the report keeps the other finished part.
-    logs.clear()
-    path = report.run_report(
-        tmp_path, scale="smoke", parts=("grid", "grid"), progress=False, log=logs.append
-    )
-    assert sum("already done, skipped" in line for line in logs) == 1
-    assert any("compare: finished by an earlier run, included" in line for line in logs)
-    text = path.read_text()
-    assert text.index("## Coupled L2 vs AdamW") < text.index("## Learning rate × weight decay")
-    assert "| compare |" in text and "| grid |" in text and "| reddi |" not in text
-
-
 def test_a_finished_run_at_another_scale_is_not_replaced_silently(tmp_path, capsys):
     """A results directory holding a finished run at another scale is refused unless forced
     (it used to be overwritten); the CLI says so in one line, as for an output path it cannot
@@ -198,8 +94,6 @@ def test_a_finished_run_at_another_scale_is_not_replaced_silently(tmp_path, caps
     with pytest.raises(report.OutputConflict, match="finished 'quick' run of 'grid'"):
         report.run_part("grid", "smoke", part, progress=False)
     assert json.loads((part / "complete.json").read_text())["scale"] == "quick"
-    from optax_decoupled import cli
-
     argv = ["report", "--scale", "smoke", "--parts", "grid", "--out", str(tmp_path)]
     assert cli.main(argv) == 2
     assert "pass --force" in capsys.readouterr().err
@@ -241,8 +135,6 @@ def test_output_conflicts_are_found_before_any_part_runs(tmp_path, monkeypatch, 
         report.run_part("compare", "smoke", tmp_path / "compare", progress=False)
     # A corrupt marker: a one-line error from the CLI, not a JSONDecodeError traceback.
     finished("memory", "{not json")
-    from optax_decoupled import cli
-
     argv = ["report", "--scale", "smoke", "--parts", "memory", "--out", str(tmp_path)]
     assert cli.main(argv) == 2
     assert "cannot be read as a completion marker" in capsys.readouterr().err
@@ -313,15 +205,15 @@ def test_config_chunk_reaches_every_grid(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("text, value", [("auto", "auto"), ("none", None), ("1", 1), ("45", 45)])
 def test_config_chunk_option(text, value):
-    assert report.config_chunk_arg(text) == value
-    args = report.add_arguments(argparse.ArgumentParser()).parse_args(["--config-chunk", text])
+    assert cli.config_chunk_arg(text) == value
+    args = cli.add_report_arguments(argparse.ArgumentParser()).parse_args(["--config-chunk", text])
     assert args.config_chunk == value
 
 
 @pytest.mark.parametrize("text", ["0", "-2", "2.5", "all", ""])
 def test_config_chunk_option_rejects(text, capsys):
     with pytest.raises(SystemExit):
-        report.add_arguments(argparse.ArgumentParser()).parse_args(["--config-chunk", text])
+        cli.add_report_arguments(argparse.ArgumentParser()).parse_args(["--config-chunk", text])
     assert "--config-chunk" in capsys.readouterr().err
 
 
@@ -330,8 +222,6 @@ def test_part_subcommands(tmp_path, monkeypatch, capsys):
     report's folder by default), replace a finished run at the same scale, refuse one at
     another scale unless ``--force``, and run the smoke scale under OPTAX_DECOUPLED_SMOKE as
     the report does. (Stand-in parts: no training.)"""
-    from optax_decoupled import cli
-
     ran = []
 
     def runner(scale, directory, progress, **options):

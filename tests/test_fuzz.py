@@ -136,10 +136,6 @@ CASES: dict[str, Case] = {
         "`peak_learning_rate` invalid where the decay convention does not use it",
         lambda: od.adamw(1e-3, peak_learning_rate=-5.0),
     ),
-    "int8-cpu-kernel": Case(
-        "8-bit storage with `cpu_kernel` not a bool",
-        lambda: storage.BlockwiseInt8Storage(cpu_kernel="yes"),
-    ),
     "schedule-without-peak": Case(
         '`decay_convention="schedule"` or `"corrected"` with a scheduled or traced learning rate '
         "and no `peak_learning_rate`",
@@ -230,8 +226,8 @@ CASES: dict[str, Case] = {
         ),
     ),
     "packed-other-params": Case(
-        "`od.contrib.packed`: parameters other than those `init` was given (another shape, dtype or "
-        "structure; also when their leaves would fill the same buffers)",
+        "`od.contrib.packed`: parameters other than those `init` was given (another shape, "
+        "dtype or structure; also when their leaves would fill the same buffers)",
         lambda: od.contrib.packed(od.adamw)(1e-3).update(
             {"a": jnp.ones(5), "b": jnp.ones(3)},
             od.contrib.packed(od.adamw)(1e-3).init({"a": jnp.ones(3), "b": jnp.ones(5)}),
@@ -239,8 +235,11 @@ CASES: dict[str, Case] = {
         ),
     ),
     "packed-grads-shape": Case(
-        "`od.contrib.packed`: a gradient leaf of another shape than its parameter (a transposed one too)",
-        lambda: _update(od.contrib.packed(od.adamw)(1e-3), {"w": jnp.ones((3, 2)), "b": jnp.ones(3)}),
+        "`od.contrib.packed`: a gradient leaf of another shape than its parameter (a transposed "
+        "one too)",
+        lambda: _update(
+            od.contrib.packed(od.adamw)(1e-3), {"w": jnp.ones((3, 2)), "b": jnp.ones(3)}
+        ),
     ),
     "grads-shape-8bit": Case(
         "a gradient leaf that fills another number of blocks than its 8-bit moment, `update` "
@@ -274,7 +273,6 @@ DOCUMENTED = [
     r"^`state_dtype` got the class \w+, not a storage object",
     r"^`block_size` must be a positive int",
     r"^`min_size` must be a non-negative int",
-    r"^`cpu_kernel` must be True or False",
     r"^`rounding`='stochastic' is implemented for bfloat16 storage only",
     r"^The decay convention '\w+' divides by the peak learning rate",
     r"^`peak_learning_rate` must be a number or an array, not a schedule",
@@ -567,8 +565,8 @@ def _run(alias, hp, sane, params, seed, grads_mode):
 
 
 @settings(
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)),
-    deadline=None,
+    # 6x the profile's count (tests/conftest.py): 60 in the unit tier, 300 in the thorough one.
+    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 6 * settings.default.max_examples)),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(problem=problems())

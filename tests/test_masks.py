@@ -157,7 +157,7 @@ def test_a_prefix_mask_over_an_nnx_state():
 
     state = nnx.state(Block(nnx.Rngs(0)), nnx.Param)
     resolved = od.resolve_mask({"enc": True, "head": False}, state)
-    flags = {od.masks.path_string(p): v for p, v in jax.tree_util.tree_leaves_with_path(resolved)}
+    flags = {masks.path_string(p): v for p, v in jax.tree_util.tree_leaves_with_path(resolved)}
     assert flags == {"enc/bias": True, "enc/kernel": True, "head/bias": False, "head/kernel": False}
 
 

@@ -10,7 +10,7 @@ import optax_decoupled as od
 from optax_decoupled._src import memory
 from optax_decoupled._src import storage as S
 from optax_decoupled._src.quantization import QuantizedArray
-from optax_decoupled.experiments import memory_report as R
+from optax_decoupled.experiments import formatting, state_memory, state_precision
 
 PARAMS = {"w": jnp.ones((512, 256)), "b": jnp.ones((256,))}  # 131072 + 256
 N = 512 * 256 + 256
@@ -124,9 +124,9 @@ def test_training_memory_and_format():
 
 
 def test_sgd_momentum_matches_optax_and_quantizes():
-    R.check_sgd_momentum_matches_optax()
+    state_memory.check_sgd_momentum_matches_optax()
     params = {"w": jnp.ones((64, 64))}
-    state = R.sgd_momentum(0.1, state_dtype="int8").init(params)
+    state = state_memory.sgd_momentum(0.1, state_dtype="int8").init(params)
     assert memory.state_bytes(state, params).per_param == pytest.approx(1 + 4 / 256)
 
 
@@ -137,16 +137,19 @@ def test_the_l2_vs_adamw_sentence_follows_the_measurements():
     same = [
         {"optimizer": o, "batch_size": b, **row} for b in (4, 512) for o in ("adam_l2", "adamw")
     ]
-    assert "values, not sizes" in R.l2_vs_adamw_finding(same)
+    assert "values, not sizes" in state_memory.l2_vs_adamw_finding(same)
     other = [dict(r) for r in same]
     other[2]["peak"] = 6000  # adam_l2 at batch 512
-    sentence = R.l2_vs_adamw_finding(other)
+    sentence = state_memory.l2_vs_adamw_finding(other)
     assert "values, not sizes" not in sentence and "batch 512: peak 6,000 vs 5,000" in sentence
 
 
 def test_bytes_per_param_table_matches_theory_on_large_tensors():
-    models = {"big": R.abstract({"w": (512, 512)}), "small": R.abstract({"b": (100,)})}
-    rows = R.bytes_per_param_table(models)
+    models = {
+        "big": state_memory.abstract({"w": (512, 512)}),
+        "small": state_memory.abstract({"b": (100,)}),
+    }
+    rows = state_memory.bytes_per_param_table(models)
     assert len(rows) == 4 * 3
     for row in rows:
         # Theory ignores the int32 step counters: 4-8 bytes in the whole state.
@@ -155,19 +158,8 @@ def test_bytes_per_param_table_matches_theory_on_large_tensors():
             assert row["measured:small"] > 2 * row["theory"]
 
 
-def test_l2_vs_adamw_same_state_same_memory():
-    rows = R.l2_vs_adamw_memory((2,), d_model=16, n_layers=1)
-    l2, w = rows
-    assert (l2["optimizer"], w["optimizer"]) == ("adam_l2", "adamw")
-    assert l2["state_bytes"] == w["state_bytes"]
-    assert l2["state_shapes"] == w["state_shapes"]
-    assert l2["arguments"] == w["arguments"]
-    # Same buffers up to the few scalars/elementwise temporaries of each chain.
-    assert abs(l2["peak"] - w["peak"]) <= 0.05 * w["peak"]
-
-
 def test_memory_7b_is_computed_not_typed():
-    rows = R.memory_7b(optimizers=("adamw",), state_dtypes=("float32", "int8"),
+    rows = state_memory.memory_7b(optimizers=("adamw",), state_dtypes=("float32", "int8"),
                        weights_dtypes=("bfloat16",))  # fmt: skip
     n = 6_738_415_616
     f32, i8 = rows
@@ -178,27 +170,19 @@ def test_memory_7b_is_computed_not_typed():
 
 
 def test_markdown_table():
-    text = R.markdown_table([{"a": 1.23456, "b": 2048}], formats={"a": ".2f", "b": "bytes"})
+    text = formatting.markdown_table(
+        [{"a": 1.23456, "b": 2048}], formats={"a": ".2f", "b": "bytes"}
+    )
     assert text.splitlines()[2] == "| 1.23 | 2.00 KiB |"
-
-
-@pytest.mark.slow
-def test_quality_comparison_smoke():
-    rows = R.quality_comparison(R.QualityConfig.preset("smoke"))
-    # Every tensor quantized: the default int8 storage keeps the small model's tensors in
-    # float32 (under 4096 elements), and its row measured float32 under an int8 label.
-    assert [r["state_dtype"] for r in rows] == ["float32", "int8 (B=256, all tensors)"]
-    assert rows[0]["gap_vs_float32"] == 0.0 and rows[1]["gap_vs_float32"] != 0.0
-    assert all(np.isfinite(r["val_loss_mean"]) for r in rows)
 
 
 def test_quick_quality_preset_quantizes_with_the_default_int8():
     """The report's quality rows labelled ``int8`` measure 8-bit state: at the ``quick``
     preset's size the default storage (4096 elements and up) quantizes the moments of each
     layer's ``in_proj`` kernel and keeps every other moment in float32."""
-    config = R.QualityConfig.preset("quick")
+    config = state_precision.QualityConfig.preset("quick")
     assert "int8" in config.state_dtypes and len(config.seeds) >= 3
-    _, _, params = R.ssm_digits_setup(config.d_model, config.n_layers, config.batch_size)
+    _, _, params = state_memory.ssm_digits_setup(config.d_model, config.n_layers, config.batch_size)
     state = jax.eval_shape(od.adamw(1e-3, state_dtype="int8").init, params)
     flat = jax.tree_util.tree_flatten_with_path(
         state[0].mu, is_leaf=lambda x: isinstance(x, QuantizedArray)
@@ -212,7 +196,7 @@ def test_quick_quality_preset_quantizes_with_the_default_int8():
 def test_nu_decay_table():
     """The notebook's table of the bfloat16 ν pitfall: round-to-nearest bfloat16 stays near
     the peak (over 10x float32's ν), stochastic rounding and 8-bit follow float32."""
-    rows = {r["state_dtype"]: r for r in R.nu_decay(high_steps=100, low_steps=2900)}
+    rows = {r["state_dtype"]: r for r in state_precision.nu_decay(high_steps=100, low_steps=2900)}
     assert list(rows)[0] == "float32" and rows["float32"]["nu_vs_float32"] == 0
     assert rows["bfloat16"]["nu_mean"] > 10 * rows["float32"]["nu_mean"]
     assert rows["bfloat16"]["update_vs_float32"] < -0.5

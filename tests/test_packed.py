@@ -435,17 +435,20 @@ def test_signature_is_the_factory_s():
     assert inspect.signature(packed(od.adamw)) == inspect.signature(od.adamw)
 
 
-def test_module_and_function_names_are_distinct():
-    # Issue #7: the function `od.contrib.packed` used to shadow a module of the same name.
+def test_the_public_path_is_the_implementation():
+    """``od.contrib.packed`` is the function of ``optax_decoupled._src.packing`` (no module of
+    the same name shadows it), and no ``optax_decoupled.packed`` module exists."""
     import importlib
 
     import optax_decoupled._src.packing as packing_module
 
     assert callable(od.contrib.packed) and od.contrib.packed is packing_module.packed
-    assert importlib.import_module("optax_decoupled.packing") is od.packing
-    assert od.contrib.PackedState is PackedState and od.contrib.PACKED_MASK is packing_module.PACKED_MASK
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("optax_decoupled.packed")
+    assert od.contrib.packed_layout is packing_module.packed_layout
+    assert od.contrib.PackedState is PackedState
+    assert od.contrib.PACKED_MASK is packing_module.PACKED_MASK
+    for old in ("optax_decoupled.packed", "optax_decoupled.packing"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
 
 
 def test_state_shardings_of_a_packed_optimizer_is_a_clear_error():

@@ -84,7 +84,7 @@ def _check(params, alias, lr, wd, state_dtype):
             assert all(m.dtype == jnp.dtype(state_dtype) for m in moments)
 
 
-@settings(max_examples=25, deadline=None)
+@settings()  # the profile's count (tests/conftest.py)
 @given(
     shapes=shapes,
     dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
@@ -99,7 +99,7 @@ def test_dtypes_and_shapes_are_stable(shapes, dtype, seed, lr, wd, alias, state_
     _check(_tree(shapes, jnp.dtype(dtype), seed), alias, lr, wd, state_dtype)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=max(3, settings.default.max_examples // 3))  # x64 compiles are slow
 @given(shapes=shapes, seed=st.integers(0, 2**16), **hyper)
 def test_float64_parameters_with_x64(shapes, seed, lr, wd, alias, state_dtype):
     with jax.enable_x64(True):
@@ -108,7 +108,7 @@ def test_float64_parameters_with_x64(shapes, seed, lr, wd, alias, state_dtype):
     _jitted_update.cache_clear()
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=2 * settings.default.max_examples)  # eager, tiny
 @given(
     lr=st.floats(1e-4, 1.0),
     wd=st.floats(0.0, 0.9),
@@ -126,7 +126,7 @@ def test_zero_gradient_step_is_pure_decay(lr, wd, convention, value):
     np.testing.assert_array_equal(updates["bias"], 0.0)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=2 * settings.default.max_examples)  # eager, tiny
 @given(
     # (1 - b1) g must be a normal float32: XLA:CPU flushes subnormals to zero, and then the
     # sign is 0 (optax.lion alike). 1e-30 is far above that (1.2e-38 / 0.1).

@@ -17,21 +17,29 @@ import jax
 import numpy as np
 import pytest
 
-from optax_decoupled.experiments import plots, reddi
+from optax_decoupled import cli
+from optax_decoupled.experiments import (
+    environment,
+    reddi,
+    reddi_problems,
+    reddi_simulation,
+    reddi_sweeps,
+    report,
+)
 
-THEOREM1 = reddi.theorem1_problem()
-THEOREM3 = reddi.theorem3_problem()
+THEOREM1 = reddi_problems.theorem1_problem()
+THEOREM3 = reddi_problems.theorem3_problem()
 
 
-def numpy_run(problem: reddi.Problem, run: reddi.Run, steps: int):
+def numpy_run(problem: reddi_problems.Problem, run: reddi_simulation.Run, steps: int):
     """Float64 NumPy loop of the published formulas: returns x_{t+1} and R_t/t for t = 1..T."""
-    gs = reddi.gradient_sequence(problem, steps, run.seed).astype(np.float64)
+    gs = reddi_simulation.gradient_sequence(problem, steps, run.seed).astype(np.float64)
     b1, b2, eps = run.b1, run.b2, run.eps
     x, mu, nu, nu_max, regret = run.x0, 0.0, 0.0, 0.0, 0.0
     xs, avg = [], []
     for t in range(1, steps + 1):
         g = gs[t - 1]
-        regret += g * x - g * reddi.X_STAR  # f_t(x_t) - f_t(x*)
+        regret += g * x - g * reddi_problems.X_STAR  # f_t(x_t) - f_t(x*)
         lr = run.alpha / np.sqrt(t) if run.schedule == "sqrt" else run.alpha
         if run.optimizer == "sgd":
             u = -lr * g
@@ -58,7 +66,7 @@ def numpy_run(problem: reddi.Problem, run: reddi.Run, steps: int):
     return np.array(xs), np.array(avg)
 
 
-def final(res: reddi.SimResult) -> dict[str, float]:
+def final(res: reddi_simulation.SimResult) -> dict[str, float]:
     return {r.optimizer: float(x) for r, x in zip(res.runs, res.x_final, strict=True)}
 
 
@@ -69,9 +77,9 @@ def final(res: reddi.SimResult) -> dict[str, float]:
 
 def test_theorem1_adam_goes_to_plus_one_amsgrad_and_sgd_to_minus_one():
     opts = ("adam", "optax_adam", "amsgrad_paper", "amsgrad_pytorch", "amsgrad_optax", "sgd")
-    runs = reddi.comparison_runs(THEOREM1, optimizers=opts, schedules=("sqrt",))
+    runs = reddi_sweeps.comparison_runs(THEOREM1, optimizers=opts, schedules=("sqrt",))
     assert runs[0].b1 == 0.0 and runs[0].b2 == pytest.approx(0.1) and runs[0].alpha == 0.5
-    res = reddi.simulate(THEOREM1, runs, 3000)
+    res = reddi_simulation.simulate(THEOREM1, runs, 3000)
     x = final(res)
     regret = dict(zip(opts, res.avg_regret_final, strict=True))
     assert x["adam"] > 0.9 and x["optax_adam"] > 0.9
@@ -85,8 +93,8 @@ def test_theorem1_adam_goes_to_plus_one_amsgrad_and_sgd_to_minus_one():
 
 def test_theorem3_stochastic_fixed_seed():
     opts = ("adam", "amsgrad_paper", "amsgrad_pytorch", "sgd")
-    runs = reddi.comparison_runs(THEOREM3, optimizers=opts, schedules=("sqrt",), seeds=1)
-    x = final(reddi.simulate(THEOREM3, runs, 20_000))
+    runs = reddi_sweeps.comparison_runs(THEOREM3, optimizers=opts, schedules=("sqrt",), seeds=1)
+    x = final(reddi_simulation.simulate(THEOREM3, runs, 20_000))
     assert x["adam"] > 0.9
     assert x["amsgrad_paper"] < -0.9 and x["amsgrad_pytorch"] < -0.9
     assert x["sgd"] < -0.9
@@ -98,22 +106,26 @@ def test_theorem3_stochastic_fixed_seed():
 
 
 @pytest.mark.parametrize(
-    "problem", [THEOREM1, THEOREM3, reddi.figure1_online_problem()], ids=lambda p: p.name
+    "problem", [THEOREM1, THEOREM3, reddi_problems.figure1_online_problem()], ids=lambda p: p.name
 )
 def test_regret_and_iterates_match_numpy_loop(problem):
     steps = 300
-    hp = reddi.default_hyperparameters(problem)
+    hp = reddi_sweeps.default_hyperparameters(problem)
     # Every optimizer on the online problems (Figure 1 has β1 = 0.9: bias corrections matter);
     # two on the stochastic one, whose point is the realised-gradient regret.
-    opts = reddi.OPTIMIZERS if problem.kind == "online" else ("adam", "amsgrad_paper")
+    opts = reddi_simulation.OPTIMIZERS if problem.kind == "online" else ("adam", "amsgrad_paper")
     runs = [
-        reddi.Run(o, hp["alpha"], hp["b1"], hp["b2"], weight_decay=0.1 if o == "adamw" else 0.0)
+        reddi_simulation.Run(
+            o, hp["alpha"], hp["b1"], hp["b2"], weight_decay=0.1 if o == "adamw" else 0.0
+        )
         for o in opts
     ]
-    runs.append(reddi.Run("amsgrad_pytorch", 0.05, hp["b1"], hp["b2"], schedule="constant"))
-    runs.append(reddi.Run("adam", 0.3, 0.5, 0.9, eps=1e-3, seed=3, x0=-0.25))
-    runs.append(reddi.Run("amsgrad_paper", 0.2, 0.8, 0.95, seed=4, x0=0.3))
-    res = reddi.simulate(problem, runs, steps, record=np.arange(1, steps + 1))
+    runs.append(
+        reddi_simulation.Run("amsgrad_pytorch", 0.05, hp["b1"], hp["b2"], schedule="constant")
+    )
+    runs.append(reddi_simulation.Run("adam", 0.3, 0.5, 0.9, eps=1e-3, seed=3, x0=-0.25))
+    runs.append(reddi_simulation.Run("amsgrad_paper", 0.2, 0.8, 0.95, seed=4, x0=0.3))
+    res = reddi_simulation.simulate(problem, runs, steps, record=np.arange(1, steps + 1))
     np.testing.assert_array_equal(res.record_t, np.arange(1, steps + 1))
     for i, run in enumerate(runs):
         xs, avg = numpy_run(problem, run, steps)
@@ -123,7 +135,7 @@ def test_regret_and_iterates_match_numpy_loop(problem):
         )
         # The regret of the iterates actually taken, summed in float64, matches to float32.
         x_t = np.concatenate([[run.x0], res.x[i, :-1]])
-        g = reddi.gradient_sequence(problem, steps, run.seed).astype(np.float64)
+        g = reddi_simulation.gradient_sequence(problem, steps, run.seed).astype(np.float64)
         exact = np.cumsum(g * (x_t + 1.0)) / np.arange(1, steps + 1)
         np.testing.assert_allclose(res.avg_regret[i], exact, rtol=1e-5, atol=1e-5)
         assert res.x_final[i] == res.x[i, -1]
@@ -133,29 +145,29 @@ def test_regret_and_iterates_match_numpy_loop(problem):
 
 def test_regret_kahan_sum_is_accurate_over_many_steps():
     steps = 200_000
-    runs = [reddi.Run("adam", 0.5, 0.0, 0.1)]
-    res = reddi.simulate(THEOREM1, runs, steps, record=np.arange(1, steps + 1))
+    runs = [reddi_simulation.Run("adam", 0.5, 0.0, 0.1)]
+    res = reddi_simulation.simulate(THEOREM1, runs, steps, record=np.arange(1, steps + 1))
     x_t = np.concatenate([[1.0], res.x[0, :-1]])
-    g = reddi.gradient_sequence(THEOREM1, steps).astype(np.float64)
+    g = reddi_simulation.gradient_sequence(THEOREM1, steps).astype(np.float64)
     exact = np.sum(g * (x_t + 1.0)) / steps
     assert res.avg_regret_final[0] == pytest.approx(exact, rel=1e-6)
 
 
 def test_gradient_sequences():
-    g = reddi.gradient_sequence(THEOREM1, 7)
+    g = reddi_simulation.gradient_sequence(THEOREM1, 7)
     np.testing.assert_array_equal(g, [3, -1, -1, 3, -1, -1, 3])
-    g = reddi.gradient_sequence(reddi.figure1_online_problem(), 203)
+    g = reddi_simulation.gradient_sequence(reddi_problems.figure1_online_problem(), 203)
     assert g[0] == 1010 and g[101] == 1010 and g[202] == 1010 and np.sum(g == 1010) == 3
     assert set(np.unique(g)) == {1010.0, -10.0}
     # Stochastic: seeded, reproducible, and with the right frequency of the big gradient.
-    a = reddi.gradient_sequence(THEOREM3, 20_000, seed=1)
-    np.testing.assert_array_equal(a, reddi.gradient_sequence(THEOREM3, 20_000, seed=1))
-    assert not np.array_equal(a, reddi.gradient_sequence(THEOREM3, 20_000, seed=2))
+    a = reddi_simulation.gradient_sequence(THEOREM3, 20_000, seed=1)
+    np.testing.assert_array_equal(a, reddi_simulation.gradient_sequence(THEOREM3, 20_000, seed=1))
+    assert not np.array_equal(a, reddi_simulation.gradient_sequence(THEOREM3, 20_000, seed=2))
     assert np.mean(a == 3.0) == pytest.approx(THEOREM3.prob, abs=0.015)
     assert THEOREM3.prob == pytest.approx(1.1 / 4)
     assert THEOREM3.mean_gradient == pytest.approx(0.1)
-    assert reddi.figure1_stochastic_problem().mean_gradient == pytest.approx(0.2)
-    assert reddi.figure1_online_problem().rms_gradient == pytest.approx(
+    assert reddi_problems.figure1_stochastic_problem().mean_gradient == pytest.approx(0.2)
+    assert reddi_problems.figure1_online_problem().rms_gradient == pytest.approx(
         np.sqrt(10199.0 * 101 / 101)
     )
 
@@ -167,18 +179,18 @@ def test_gradient_sequences():
 
 def test_vmapped_batch_equals_runs_one_by_one():
     runs = [
-        reddi.Run("adam", 0.5, 0.0, 0.1, seed=0),
-        reddi.Run("amsgrad_paper", 0.5, 0.0, 0.1, seed=1),
-        reddi.Run("adam", 0.2, 0.9, 0.99, eps=1e-3, schedule="constant", seed=2, x0=0.0),
-        reddi.Run("sgd", 0.1, seed=1),
-        reddi.Run("amsgrad_paper", 0.05, 0.5, 0.6, schedule="constant", seed=0, x0=-0.5),
-        reddi.Run("adamw", 0.5, 0.0, 0.1, weight_decay=0.3, seed=2),
+        reddi_simulation.Run("adam", 0.5, 0.0, 0.1, seed=0),
+        reddi_simulation.Run("amsgrad_paper", 0.5, 0.0, 0.1, seed=1),
+        reddi_simulation.Run("adam", 0.2, 0.9, 0.99, eps=1e-3, schedule="constant", seed=2, x0=0.0),
+        reddi_simulation.Run("sgd", 0.1, seed=1),
+        reddi_simulation.Run("amsgrad_paper", 0.05, 0.5, 0.6, schedule="constant", seed=0, x0=-0.5),
+        reddi_simulation.Run("adamw", 0.5, 0.0, 0.1, weight_decay=0.3, seed=2),
     ]
     steps = 400
-    batch = reddi.simulate(THEOREM3, runs, steps)
-    switch = reddi.simulate(THEOREM3, runs, steps, dispatch="switch")
+    batch = reddi_simulation.simulate(THEOREM3, runs, steps)
+    switch = reddi_simulation.simulate(THEOREM3, runs, steps, dispatch="switch")
     for i, run in enumerate(runs):
-        one = reddi.simulate(THEOREM3, [run], steps)
+        one = reddi_simulation.simulate(THEOREM3, [run], steps)
         for other in (batch, switch):
             np.testing.assert_allclose(other.x[i], one.x[0], rtol=1e-6, atol=1e-6)
             np.testing.assert_allclose(other.avg_regret[i], one.avg_regret[0], rtol=1e-5, atol=1e-6)
@@ -190,33 +202,39 @@ def test_simulations_run_on_the_cpu_unless_told_otherwise():
     """The scalar loops run on the CPU device by default, also where the default device is a
     GPU (which runs them orders of magnitude slower, see simulation_device); a device passed
     explicitly is used, with the same results up to the backends' float32 rounding."""
-    runs = [reddi.Run("adam"), reddi.Run("amsgrad_paper"), reddi.Run("sgd", 0.1, seed=1)]
+    runs = [
+        reddi_simulation.Run("adam"),
+        reddi_simulation.Run("amsgrad_paper"),
+        reddi_simulation.Run("sgd", 0.1, seed=1),
+    ]
     cpu = jax.devices("cpu")[0]
-    assert reddi.simulation_device() == cpu
-    res = reddi.simulate(THEOREM3, runs, 300)
+    assert reddi_simulation.simulation_device() == cpu
+    res = reddi_simulation.simulate(THEOREM3, runs, 300)
     assert res.device == str(cpu)
     default = jax.devices()[0]  # a GPU where there is one
-    other = reddi.simulate(THEOREM3, runs, 300, device=default)
+    other = reddi_simulation.simulate(THEOREM3, runs, 300, device=default)
     assert other.device == str(default)
     np.testing.assert_allclose(other.x, res.x, rtol=1e-5, atol=1e-6)
-    assert reddi.simulation_device(default) == default
+    assert reddi_simulation.simulation_device(default) == default
 
 
 def test_phase_diagram_and_eps_sweep_shapes_and_values():
-    b1, b2 = reddi.phase_grid(3, "linear")
-    d = reddi.phase_diagram(THEOREM1, b1, b2, 600)
+    b1, b2 = reddi_sweeps.phase_grid(3, "linear")
+    d = reddi_sweeps.phase_diagram(THEOREM1, b1, b2, 600)
     assert np.shape(d["x_final"]) == (3, 3)
     # (β1, β2) = (0, 0): Adam fails (+1); (0.95, 0.95): heavy momentum and memory, it converges.
     assert d["x_final"][0, 0] > 0.9 and d["x_final"][2, 2] < -0.9
     # The same pair run alone gives the same number (the grid is just a batch).
-    alone = reddi.simulate(THEOREM1, [reddi.Run("adam", 0.5, 0.0, 0.0)], 600, record=[600])
+    alone = reddi_simulation.simulate(
+        THEOREM1, [reddi_simulation.Run("adam", 0.5, 0.0, 0.0)], 600, record=[600]
+    )
     assert d["x_final"][0, 0] == pytest.approx(alone.x_final[0], abs=1e-6)
-    e = reddi.eps_sweep(THEOREM1, [1e-8, 10.0], 20_000)
+    e = reddi_sweeps.eps_sweep(THEOREM1, [1e-8, 10.0], 20_000)
     assert np.shape(e["x_final"]) == (2, 2)
     # ε = 10 > √ν (1 to 3): Adam ~ SGD with step α_t/ε and reaches -1 on Theorem 1 (measured
     # x_T = -1.000 at T = 20000, -0.86 at T = 10000).
     assert e["x_final"][0, 0] > 0.9 and e["x_final"][0, 1] < -0.9
-    b1, b2 = reddi.phase_grid(24)
+    b1, b2 = reddi_sweeps.phase_grid(24)
     assert len(b1) == len(b2) == 24 and b2[0] == 0.0 and b2[-1] == pytest.approx(0.9999)
 
 
@@ -230,12 +248,12 @@ def test_settling_is_judged_at_whole_periods_of_an_online_problem():
     is not a multiple of it; Theorem 1's constant-step SGD, at -0.948 at the start of every
     period and at -1 one step later, was reported "within 0.05 of -1 from t = T" on that one
     record. The JSON's curves and the settling step now use the records at whole periods."""
-    problem = reddi.theorem1_problem()
-    runs = reddi.comparison_runs(problem, optimizers=("sgd",), schedules=("constant",))
+    problem = reddi_problems.theorem1_problem()
+    runs = reddi_sweeps.comparison_runs(problem, optimizers=("sgd",), schedules=("constant",))
     steps = 30_001  # not a multiple of the period, 3
-    res = reddi.simulate(problem, runs, steps)
+    res = reddi_simulation.simulate(problem, runs, steps)
     assert res.record_t[-1] == steps and abs(res.x_final[0] - (-1.0)) <= 0.05
-    aligned = reddi.phase_aligned(res.record_t, problem)
+    aligned = reddi_simulation.phase_aligned(res.record_t, problem)
     assert not aligned[-1] and np.all(res.record_t[aligned][res.record_t[aligned] >= 3] % 3 == 0)
     assert np.all(np.abs(res.x[0][aligned][-20:] - (-1.0)) > 0.05)  # oscillating, period-wise
     doc = reddi._comparison_json(res)
@@ -243,48 +261,50 @@ def test_settling_is_judged_at_whole_periods_of_an_online_problem():
     assert doc["runs"][0]["ends_at"] == "-1"  # x_T itself is unchanged
     assert doc["record_t"] == res.record_t[aligned].tolist() and len(doc["x"][0]) == aligned.sum()
     # A stochastic problem keeps every record.
-    assert reddi.phase_aligned(np.arange(1, 10), reddi.figure1_stochastic_problem()).all()
+    assert reddi_simulation.phase_aligned(
+        np.arange(1, 10), reddi_problems.figure1_stochastic_problem()
+    ).all()
 
 
 def test_log_steps():
-    t = reddi.log_steps(1_000_000, multiple=3)
+    t = reddi_simulation.log_steps(1_000_000, multiple=3)
     assert t[0] == 1 and t[-1] == 1_000_000 and np.all(np.diff(t) > 0)
     assert np.all(t[t >= 3][:-1] % 3 == 0)
     assert 100 < len(t) <= 201
-    np.testing.assert_array_equal(reddi.log_steps(1), [1])
-    np.testing.assert_array_equal(reddi.log_steps(5, num=50), [1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(reddi_simulation.log_steps(1), [1])
+    np.testing.assert_array_equal(reddi_simulation.log_steps(5, num=50), [1, 2, 3, 4, 5])
 
 
 def test_settle_step_and_classify():
     t = np.array([1, 10, 100, 1000])
-    assert reddi.settle_step(t, np.array([1.0, -0.5, -0.99, -1.0]), -1.0) == 100
-    assert reddi.settle_step(t, np.array([-1.0, -1.0, -1.0, -1.0]), -1.0) == 1
-    assert reddi.settle_step(t, np.array([-1.0, -1.0, -1.0, 0.0]), -1.0) is None
-    assert reddi.classify(-0.95) == "-1" and reddi.classify(0.95) == "+1"
-    assert reddi.classify(0.2) == "neither"
+    assert reddi_simulation.settle_step(t, np.array([1.0, -0.5, -0.99, -1.0]), -1.0) == 100
+    assert reddi_simulation.settle_step(t, np.array([-1.0, -1.0, -1.0, -1.0]), -1.0) == 1
+    assert reddi_simulation.settle_step(t, np.array([-1.0, -1.0, -1.0, 0.0]), -1.0) is None
+    assert reddi_simulation.classify(-0.95) == "-1" and reddi_simulation.classify(0.95) == "+1"
+    assert reddi_simulation.classify(0.2) == "neither"
 
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match="optimizer"):
-        reddi.Run("adagrad")
+        reddi_simulation.Run("adagrad")
     with pytest.raises(ValueError, match="schedule"):
-        reddi.Run("adam", schedule="cosine")
+        reddi_simulation.Run("adam", schedule="cosine")
     with pytest.raises(ValueError, match="x0"):
-        reddi.Run("adam", x0=2.0)
+        reddi_simulation.Run("adam", x0=2.0)
     with pytest.raises(ValueError, match="C > 2"):
-        reddi.theorem1_problem(2.0)
+        reddi_problems.theorem1_problem(2.0)
     with pytest.raises(ValueError, match="period"):
-        reddi.Problem("p", "online", 3.0, 1.0, period=1)
+        reddi_problems.Problem("p", "online", 3.0, 1.0, period=1)
     with pytest.raises(ValueError, match="record"):
-        reddi.simulate(THEOREM1, [reddi.Run("adam")], 10, record=[5, 3])
+        reddi_simulation.simulate(THEOREM1, [reddi_simulation.Run("adam")], 10, record=[5, 3])
     with pytest.raises(ValueError, match="dispatch"):
-        reddi.simulate(THEOREM1, [reddi.Run("adam")], 10, dispatch="loop")
+        reddi_simulation.simulate(THEOREM1, [reddi_simulation.Run("adam")], 10, dispatch="loop")
     with pytest.raises(ValueError, match="empty"):
-        reddi.simulate(THEOREM1, [], 10)
+        reddi_simulation.simulate(THEOREM1, [], 10)
     with pytest.raises(ValueError, match="steps"):
         reddi.Config(steps=0)
     with pytest.raises(ValueError, match="stochastic"):
-        reddi.gradient(THEOREM3, np.int32(1))
+        reddi_problems.gradient(THEOREM3, np.int32(1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,50 +312,9 @@ def test_bad_inputs():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_cli_writes_results_and_figures(tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv("OPTAX_DECOUPLED_SMOKE", raising=False)
-    out = tmp_path / "out"
-    argv = ["--steps", "400", "--seeds", "1", "--phase-grid", "3", "--phase-steps", "200"]
-    argv += ["--eps-steps", "200", "--optimizers", "adam,amsgrad_paper"]
-    argv += ["--out", str(out), "--no-progress", "--no-fast-loops"]
-    assert reddi.main(argv) == 0
-    printed = capsys.readouterr().out
-    assert "| theorem1 | sqrt | adam |" in printed and "results.json" in printed
-    assert "| theorem1 | sqrt | sgd |" not in printed
-    doc = json.loads((out / "results.json").read_text())
-    assert doc["schema"] == "optax_decoupled.reddi/1"
-    assert set(doc["versions"]) >= {"jax", "optax", "optax_decoupled", "python"}
-    # where the simulations ran: the CPU device by default, also on a GPU host
-    assert doc["device"] and doc["platform"] == reddi.simulation_device().platform
-    assert set(doc["comparisons"]) == {
-        "theorem1",
-        "figure1_online",
-        "theorem3",
-        "figure1_stochastic",
-    }
-    comp = doc["comparisons"]["theorem1"]
-    assert comp["steps"] == 400 and len(comp["runs"]) == 2 * 2  # 2 optimizers × 2 schedules
-    run = comp["runs"][0]
-    assert {"optimizer", "x_final", "avg_regret", "ends_at", "settled_at_minus1"} <= set(run)
-    assert len(comp["x"]) == len(comp["runs"]) and len(comp["x"][0]) == len(comp["record_t"])
-    assert "expected_gap" in doc["comparisons"]["theorem3"]["runs"][0]
-    assert np.shape(doc["phase_diagrams"]["theorem1"]["x_final"]) == (3, 3)
-    assert doc["phase_diagrams"]["figure1_online"]["b2_scale"] == "log"
-    assert doc["single_run"]["steps"] == 400
-    assert sorted(doc["figures"]) == sorted(
-        [f"reddi_{k}_{s}.png" for k in ("x", "regret") for s in ("sqrt", "constant")]
-        + ["reddi_phase.png", "reddi_eps.png"]
-    )
-    for name in doc["figures"]:
-        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # Figures can be redrawn from the saved JSON alone.
-    path = plots.save(plots.reddi_phase_figure(doc), tmp_path / "again" / "phase.png")
-    assert open(path, "rb").read(4) == b"\x89PNG"
-
-
 def test_cli_rejects_bad_sizes(monkeypatch, capsys):
     monkeypatch.delenv("OPTAX_DECOUPLED_SMOKE", raising=False)
-    assert reddi.main(["--steps", "0", "--no-fast-loops"]) == 2
+    assert cli.main(["reddi", "--steps", "0", "--no-fast-loops"]) == 2
     assert "steps" in capsys.readouterr().err
 
 
@@ -353,12 +332,12 @@ def test_an_unusable_out_fails_before_the_simulations(tmp_path, monkeypatch):
 
 def test_smoke_config(monkeypatch):
     monkeypatch.setenv("OPTAX_DECOUPLED_SMOKE", "1")
-    assert reddi.smoke_requested()
-    parser = reddi.add_arguments(__import__("argparse").ArgumentParser())
-    config = reddi.config_from_args(parser.parse_args([]))
+    assert environment.smoke_requested()
+    parser = cli.add_reddi_arguments(__import__("argparse").ArgumentParser())
+    config = cli.reddi_config(parser.parse_args([]))
     assert config == reddi.Config.smoke()
     monkeypatch.setenv("OPTAX_DECOUPLED_SMOKE", "0")
-    assert not reddi.smoke_requested()
+    assert not environment.smoke_requested()
     default = reddi.Config()
     assert default.phase_steps == 100_000 and default.eps_steps == default.steps == 1_000_000
     assert default.phase_grid >= 24
@@ -369,11 +348,11 @@ def test_scale_option_and_its_conflicts(monkeypatch, capsys):
     as well it is an error, not a silent override. OPTAX_DECOUPLED_SMOKE=1 (CI) still runs
     the smoke size, and says what it ignores."""
     monkeypatch.delenv("OPTAX_DECOUPLED_SMOKE", raising=False)
-    parser = reddi.add_arguments(__import__("argparse").ArgumentParser())
+    parser = cli.add_reddi_arguments(__import__("argparse").ArgumentParser())
     for scale in ("smoke", "quick", "full"):
         args = parser.parse_args(["--scale", scale])
-        assert reddi.config_from_args(args) == reddi.Config.preset(scale)
-    assert reddi.config_from_args(parser.parse_args(["--smoke"])) == reddi.Config.smoke()
+        assert cli.reddi_config(args) == reddi.Config.preset(scale)
+    assert cli.reddi_config(parser.parse_args(["--smoke"])) == reddi.Config.smoke()
     assert reddi.Config.preset("full").steps == 10_000_000
     # A size option given at its default value is given too (it was silently ignored).
     for argv in (
@@ -382,20 +361,20 @@ def test_scale_option_and_its_conflicts(monkeypatch, capsys):
         ["--scale", "smoke", "--steps", str(reddi.Config().steps)],
     ):
         with pytest.raises(ValueError, match="sets every size; drop --"):
-            reddi.config_from_args(parser.parse_args(argv))
-        assert reddi.main([*argv, "--no-fast-loops"]) == 2
+            cli.reddi_config(parser.parse_args(argv))
+        assert cli.main(["reddi", *argv, "--no-fast-loops"]) == 2
         assert "sets every size" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--smoke is --scale smoke"):
-        reddi.config_from_args(parser.parse_args(["--smoke", "--scale", "full"]))
+        cli.reddi_config(parser.parse_args(["--smoke", "--scale", "full"]))
     monkeypatch.setenv("OPTAX_DECOUPLED_SMOKE", "1")
-    config = reddi.config_from_args(parser.parse_args(["--seeds", "5"]))
+    config = cli.reddi_config(parser.parse_args(["--seeds", "5"]))
     assert config == reddi.Config.smoke()
     assert "ignoring --seeds" in capsys.readouterr().err
 
 
 def test_enable_fast_cpu_loops_is_a_no_op_once_jax_runs(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "")
-    reddi.gradient_sequence(THEOREM1, 3)  # a backend is running now
+    reddi_simulation.gradient_sequence(THEOREM1, 3)  # a backend is running now
     assert reddi.enable_fast_cpu_loops() is False
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_extra_options=foo=1")
     assert reddi.enable_fast_cpu_loops() is False
@@ -403,11 +382,11 @@ def test_enable_fast_cpu_loops_is_a_no_op_once_jax_runs(monkeypatch):
 
 def test_fewer_than_ten_steps_average_the_last_step():
     """The "last 10%" of fewer than ten steps is the last step (it was empty: 0/0)."""
-    runs = [reddi.Run("adam"), reddi.Run("amsgrad_paper")]
+    runs = [reddi_simulation.Run("adam"), reddi_simulation.Run("amsgrad_paper")]
     for steps in (1, 9):
-        res = reddi.simulate(THEOREM1, runs, steps, record=[steps])
+        res = reddi_simulation.simulate(THEOREM1, runs, steps, record=[steps])
         np.testing.assert_array_equal(res.x_tail_mean, res.x_final)
-    res = reddi.simulate(THEOREM1, runs, 20, record=np.arange(1, 21))
+    res = reddi_simulation.simulate(THEOREM1, runs, 20, record=np.arange(1, 21))
     np.testing.assert_allclose(res.x_tail_mean, res.x[:, -2:].mean(axis=1), rtol=1e-6)
 
 
@@ -415,7 +394,6 @@ def test_the_report_writes_no_simulation_objects(tmp_path, monkeypatch):
     """``run_experiment`` hands its simulations back under ``_sim`` for the notebook; the
     report's results.json (written from what it returns) leaves them out, as the
     experiment's own JSON does."""
-    from optax_decoupled.experiments import report
 
     def run_experiment(config, out, progress):
         return {"comparisons": {}, "_sim": object()}

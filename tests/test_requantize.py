@@ -9,7 +9,6 @@ import optax
 import pytest
 
 import optax_decoupled as od
-from optax_decoupled import cpu_kernel
 from optax_decoupled._src import quantization as Q
 from optax_decoupled._src import storage as S
 
@@ -20,12 +19,17 @@ def _adam_like(mu, nu, g):
 
 
 def _inputs(size, block, key=0, dtype=jnp.float32):
-    k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
     shape = (size,) if size % 7 else (7, size // 7)
-    mu = Q.quantize(0.1 * jax.random.normal(k1, shape), signed=True, block_size=block)
-    nu = Q.quantize(jax.random.uniform(k2, shape) ** 4, signed=False, block_size=block)
-    g = jax.random.normal(k3, shape, dtype) * jnp.logspace(-6, 1, size).reshape(shape)
-    return shape, mu, nu, g.astype(dtype)
+
+    @jax.jit  # one program instead of an eager op at a time (each compiled for its shapes)
+    def make(key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        mu = Q.quantize(0.1 * jax.random.normal(k1, shape), signed=True, block_size=block)
+        nu = Q.quantize(jax.random.uniform(k2, shape) ** 4, signed=False, block_size=block)
+        g = jax.random.normal(k3, shape, dtype) * jnp.logspace(-6, 1, size).reshape(shape)
+        return mu, nu, g.astype(dtype)
+
+    return (shape, *make(jax.random.key(key)))
 
 
 def _written_out(fn, stored, operands, shape, signed, block):
@@ -133,7 +137,7 @@ def test_array_coefficients_in_the_chunked_loop(b2_shape, running_max):
     signed = (True, False, False) if running_max else (True, False)
     got = jax.jit(
         lambda st, g: Q.requantize(
-            fn, st, (g,), shape=shape, signed=signed, chunk_elements=4 * block, kernel=False
+            fn, st, (g,), shape=shape, signed=signed, chunk_elements=4 * block
         )
     )(stored, g)
     _assert_same(got, _written_out(fn, stored, (g,), shape, signed, block))
@@ -170,7 +174,6 @@ def test_mismatched_layouts_are_refused():
         Q.requantize(_adam_like, (mu, other), (g,), shape=shape, signed=(True, False))
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "xla-loop"])
 @pytest.mark.parametrize(
     "lr, make",
     [
@@ -193,11 +196,10 @@ def test_mismatched_layouts_are_refused():
     ],
     ids=["adamw", "amsgrad", "amsgrad-optax", "amsgrad-paper", "adam-l2", "lion"],
 )
-def test_optimizers_equal_the_unfused_storage(lr, make, kernel):
-    """An int8 optimizer (fused: the compiled CPU kernel, or XLA's chunk loop) against the
-    same storage with its fused `update` hidden (plain read-compute-write), over three steps,
-    parameters big enough for several chunks and with a padded last block. The gradient is
-    computed in the step, so the kernel computes the transform's output in its pass too."""
+def test_optimizers_equal_the_unfused_storage(lr, make):
+    """An int8 optimizer (fused: XLA's chunk loop on CPU) against the same storage with its
+    fused `update` hidden (plain read-compute-write), over three steps, parameters big enough
+    for several chunks and with a padded last block."""
 
     class Unfused:  # the MomentStorage protocol without `update`
         name = "int8-unfused"
@@ -219,7 +221,7 @@ def test_optimizers_equal_the_unfused_storage(lr, make, kernel):
         "b": jnp.ones((10,)),  # under min_size: float32 moments
     }
     results = []
-    for sd in (S.BlockwiseInt8Storage(cpu_kernel=kernel), Unfused()):
+    for sd in (S.BlockwiseInt8Storage(), Unfused()):
         tx = make(sd)
         state = tx.init(params)
         p = params
@@ -230,13 +232,9 @@ def test_optimizers_equal_the_unfused_storage(lr, make, kernel):
             u, state = tx.update(g, state, p)
             return optax.apply_updates(p, u), state
 
-        # On CPU the fused storage calls the kernel or stages its chunk loop out; the unfused
-        # one does neither.
+        # On CPU the fused storage stages its chunk loop out; the unfused one does not.
         lowered = step.trace(p, state, 0).lower(lowering_platforms=("cpu",)).as_text()
-        # (A package built without the kernel, OPTAX_DECOUPLED_NO_KERNEL=1, takes the loop.)
-        fused, built = not isinstance(sd, Unfused), kernel and cpu_kernel.available()
-        assert (cpu_kernel.TARGET in lowered) == (fused and built)
-        assert ("stablehlo.while" in lowered) == (fused and not built)
+        assert ("stablehlo.while" in lowered) == (not isinstance(sd, Unfused))
         for i in range(3):
             p, state = step(p, state, i)
         results.append((p, state))

@@ -2,12 +2,8 @@
 bit-identity and errors, JSON lines, schedules, and plugging in optax_decoupled.adamw."""
 
 import dataclasses
-import json
 import os
-import pathlib
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,14 +12,22 @@ import optax
 import pytest
 
 import optax_decoupled as od
-from optax_decoupled.experiments import ssm, tasks
+from optax_decoupled.experiments import (
+    checkpoints,
+    programs,
+    schedules,
+    ssm,
+    tasks,
+    train_results,
+    training_step,
+)
 from optax_decoupled.experiments import train as train_lib
 
 STEPS = 8
 HPARAMS = {"learning_rate": [1e-3, 3e-3, 1e-2], "weight_decay": [0.0, 0.1, 0.01]}
 SEEDS = [0, 1, 2]
 # One make_tx object for the whole module, so the compiled programs are shared.
-MAKE_TX = train_lib.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=1.0)
+MAKE_TX = schedules.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=1.0)
 LOOP = train_lib.TrainConfig(steps=STEPS, eval_every=4, eval_batch_size=64, progress=False)
 
 
@@ -64,14 +68,14 @@ def test_grid_equals_one_by_one(task, model_config, grid):
     @jax.jit
     def step(params, opt_state, hp, data_key, s, rest):
         batch = task.train_batch(data_key, s)
-        return train_lib.train_step(
+        return training_step.train_step(
             params, opt_state, batch, hp, graphdef=graphdef, rest=rest, make_tx=MAKE_TX
         )
 
     for k in range(3):
         hp = {n: jnp.float32(v[k]) for n, v in HPARAMS.items()}
-        model_key, data_key = train_lib.seed_keys(SEEDS[k])
-        graphdef, params, rest = train_lib.init_model(model_config, model_key)
+        model_key, data_key = training_step.seed_keys(SEEDS[k])
+        graphdef, params, rest = training_step.init_model(model_config, model_key)
         opt_state = MAKE_TX(**hp).init(params)
         losses = []
         for s in range(STEPS):
@@ -92,11 +96,11 @@ def test_grid_equals_one_by_one(task, model_config, grid):
 def test_init_models_are_init_model_bit_for_bit(model_config):
     """The grid's initial models (one program for K keys) are exactly the models init_model
     builds one at a time, so a configuration's run does not depend on the grid it is in."""
-    keys = jnp.stack([train_lib.seed_keys(s)[0] for s in (0, 7, 3)])
-    graphdef, params, rest = train_lib.init_models(model_config, keys)
-    assert graphdef == train_lib.model_graphdef(model_config)
+    keys = jnp.stack([training_step.seed_keys(s)[0] for s in (0, 7, 3)])
+    graphdef, params, rest = training_step.init_models(model_config, keys)
+    assert graphdef == training_step.model_graphdef(model_config)
     for i in range(3):
-        _, one, one_rest = train_lib.init_model(model_config, keys[i])
+        _, one, one_rest = training_step.init_model(model_config, keys[i])
         for a, b in zip(jax.tree.leaves((params, rest)), jax.tree.leaves((one, one_rest)),
                         strict=True):  # fmt: skip
             assert a.shape == (3, *b.shape)
@@ -115,7 +119,7 @@ def test_grid_result_contents(grid):
         assert set(run.final) == {"val_loss", "val_accuracy", "test_loss", "test_accuracy"}
         assert 0.0 <= run.final["test_accuracy"] <= 1.0
     assert result.step_time_s > 0 and result.tokens_per_s > 0
-    records = train_lib.read_jsonl(root / "metrics.jsonl")
+    records = train_results.read_jsonl(root / "metrics.jsonl")
     evals = [r for r in records if r["event"] == "eval"]
     finals = [r for r in records if r["event"] == "final"]
     assert len(evals) == 6 and len(finals) == 3
@@ -133,7 +137,7 @@ def test_resume_is_bit_identical(task, model_config, grid, tmp_path):
         task, model_config, MAKE_TX, HPARAMS, SEEDS, LOOP, stop_at=5, **kwargs
     )
     assert part.runs[0].final == {}
-    assert train_lib.latest_checkpoint_step(tmp_path / "ckpt") == 5
+    assert checkpoints.latest_checkpoint_step(tmp_path / "ckpt") == 5
     resumed = train_lib.train_grid(
         task, model_config, MAKE_TX, HPARAMS, SEEDS, LOOP, resume=True, **kwargs
     )
@@ -144,7 +148,7 @@ def test_resume_is_bit_identical(task, model_config, grid, tmp_path):
         assert a.evals == b.evals and a.final == b.final
     # Another layout of the configurations (here: one vmap instead of lax.map chunks) is not
     # bit-identical to the uninterrupted run: the resume says so.
-    chunk = train_lib.resolve_config_chunk(LOOP.config_chunk)
+    chunk = programs.resolve_config_chunk(LOOP.config_chunk)
     other = dataclasses.replace(LOOP, config_chunk=2 if chunk is None else None)
     with pytest.warns(UserWarning, match="another layout"):
         train_lib.train_grid(
@@ -153,8 +157,8 @@ def test_resume_is_bit_identical(task, model_config, grid, tmp_path):
     # The JSON lines of the interrupted, resumed and resumed-again run: the uninterrupted
     # run's records, none twice (the finished run's "final" records were written again).
     key = lambda r: (r["event"], r.get("step"), r["run"])  # noqa: E731
-    records = train_lib.read_jsonl(tmp_path / "m.jsonl")
-    reference = train_lib.read_jsonl(root / "metrics.jsonl")
+    records = train_results.read_jsonl(tmp_path / "m.jsonl")
+    reference = train_results.read_jsonl(root / "metrics.jsonl")
     assert sorted(map(key, records)) == sorted(map(key, reference))
 
 
@@ -165,7 +169,7 @@ def test_eval_records_average_the_steps_since_the_last_eval(task, model_config, 
     res = train_lib.train_grid(
         task, model_config, MAKE_TX, HPARAMS, SEEDS, loop, metrics_path=tmp_path / "m.jsonl"
     )
-    evals = [r for r in train_lib.read_jsonl(tmp_path / "m.jsonl") if r["event"] == "eval"]
+    evals = [r for r in train_results.read_jsonl(tmp_path / "m.jsonl") if r["event"] == "eval"]
     assert sorted({r["step"] for r in evals}) == [3, 6, 8]
     for r in evals:
         since = (r["step"] - 1) // 3 * 3
@@ -194,18 +198,18 @@ def test_resume_errors(task, model_config, grid, tmp_path):
         run(tmp_path / "empty")
     # A checkpoint of a different run.
     other = {**HPARAMS, "weight_decay": [0.5, 0.5, 0.5]}
-    with pytest.raises(train_lib.CheckpointError, match="different run"):
+    with pytest.raises(checkpoints.CheckpointError, match="different run"):
         run(root / "ckpt", hp=other)
     # The same task name with other data (a resume compared only the name), and another
     # evaluation schedule (the recorded evals and the metrics file would mix two).
     same_name = tasks.induction_heads(seq_len=16, vocab_size=8, batch_size=16, num_eval=32)
     assert same_name.name == task.name
-    with pytest.raises(train_lib.CheckpointError, match="task_data is .*splits_sha256"):
+    with pytest.raises(checkpoints.CheckpointError, match="task_data is .*splits_sha256"):
         train_lib.train_grid(
             same_name, model_config, MAKE_TX, HPARAMS, SEEDS, LOOP,
             checkpoint_dir=root / "ckpt", resume=True,
         )  # fmt: skip
-    with pytest.raises(train_lib.CheckpointError, match="evaluation is .*'eval_every': 4"):
+    with pytest.raises(checkpoints.CheckpointError, match="evaluation is .*'eval_every': 4"):
         train_lib.train_grid(
             task, model_config, MAKE_TX, HPARAMS, SEEDS, dataclasses.replace(LOOP, eval_every=2),
             checkpoint_dir=root / "ckpt", resume=True,
@@ -213,13 +217,13 @@ def test_resume_errors(task, model_config, grid, tmp_path):
     # Another optimizer with the same state structure and grid: a fixed setting inside
     # make_tx (the clipping threshold here) is told apart by the optimizer's fingerprint, and
     # said (a warning: the fingerprint also changes with the package's code or kernels).
-    clipped = train_lib.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=0.5)
+    clipped = schedules.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=0.5)
     with pytest.warns(UserWarning, match="optimizer that computes something else"):
         run(root / "ckpt", make_tx=clipped)
     # Corrupt: overwrite every array file of the latest checkpoint with garbage.
     corrupt = tmp_path / "corrupt"
     shutil.copytree(root / "ckpt", corrupt)
-    step_dir = corrupt / str(train_lib.latest_checkpoint_step(corrupt)) / "state"
+    step_dir = corrupt / str(checkpoints.latest_checkpoint_step(corrupt)) / "state"
     damaged = 0
     for dirpath, _, files in os.walk(step_dir):
         for name in files:
@@ -227,7 +231,7 @@ def test_resume_errors(task, model_config, grid, tmp_path):
                 f.write(b"not a checkpoint")
             damaged += 1
     assert damaged > 0
-    with pytest.raises(train_lib.CheckpointError, match="corrupt"):
+    with pytest.raises(checkpoints.CheckpointError, match="corrupt"):
         run(corrupt)
 
 
@@ -239,9 +243,9 @@ def test_optimizer_fingerprint(monkeypatch, task, model_config, grid):
     names = sorted(HPARAMS)
 
     def fp(make_tx):
-        return train_lib.optimizer_fingerprint(make_tx, params, names)["sha256"]
+        return checkpoints.optimizer_fingerprint(make_tx, params, names)["sha256"]
 
-    same = train_lib.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=1.0)
+    same = schedules.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=1.0)
     assert fp(MAKE_TX) == fp(same)
 
     # An array constant enters by value (jaxprs print it as a type only).
@@ -252,10 +256,10 @@ def test_optimizer_fingerprint(monkeypatch, task, model_config, grid):
 
     assert fp(per_element(0.5)) == fp(per_element(0.5)) != fp(per_element(0.25))
     for other in (
-        train_lib.scheduled(optax.adamw, total_steps=STEPS + 1, warmup_steps=2, clip_norm=1.0),
-        train_lib.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=3, clip_norm=1.0),
-        train_lib.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=1.0, b1=0.8),
-        train_lib.scheduled(od.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=1.0, mask=None),
+        schedules.scheduled(optax.adamw, total_steps=STEPS + 1, warmup_steps=2, clip_norm=1.0),
+        schedules.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=3, clip_norm=1.0),
+        schedules.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=1.0, b1=0.8),
+        schedules.scheduled(od.adamw, total_steps=STEPS, warmup_steps=2, clip_norm=1.0, mask=None),
     ):
         assert fp(other) != fp(MAKE_TX)
     _, root = grid
@@ -269,14 +273,14 @@ def test_optimizer_fingerprint(monkeypatch, task, model_config, grid):
 
 def test_restore_checkpoint_roundtrip_and_missing_step(tmp_path):
     tree = {"a": np.arange(3.0), "b": {"c": np.ones((2, 2), np.int32)}}
-    train_lib.save_checkpoint(tmp_path, 3, tree, {"note": "x"})
-    restored, meta, step = train_lib.restore_checkpoint(tmp_path, tree)
+    checkpoints.save_checkpoint(tmp_path, 3, tree, {"note": "x"})
+    restored, meta, step = checkpoints.restore_checkpoint(tmp_path, tree)
     assert step == 3 and meta == {"note": "x"}
     jax.tree.map(np.testing.assert_array_equal, restored, tree)
     with pytest.raises(FileNotFoundError, match="step 4"):
-        train_lib.restore_checkpoint(tmp_path, tree, step=4)
-    with pytest.raises(train_lib.CheckpointError):
-        train_lib.restore_checkpoint(tmp_path, {"a": np.arange(3.0)})
+        checkpoints.restore_checkpoint(tmp_path, tree, step=4)
+    with pytest.raises(checkpoints.CheckpointError):
+        checkpoints.restore_checkpoint(tmp_path, {"a": np.arange(3.0)})
 
 
 def test_warmup_cosine_accepts_traced_peak():
@@ -284,7 +288,7 @@ def test_warmup_cosine_accepts_traced_peak():
     counts = jnp.arange(12)
     got = jax.jit(
         jax.vmap(
-            lambda p: jax.vmap(train_lib.warmup_cosine(p, total_steps=10, warmup_steps=3))(counts)
+            lambda p: jax.vmap(schedules.warmup_cosine(p, total_steps=10, warmup_steps=3))(counts)
         )
     )(peaks)
     for p, row in zip([1e-3, 1e-2], got, strict=True):
@@ -292,7 +296,7 @@ def test_warmup_cosine_accepts_traced_peak():
         # rtol 1e-5: float32 cos differs by an ulp between backends (GPU), and near the end
         # of the cosine 1 + cos(x) cancels, which magnifies it to ~1e-6 relative.
         np.testing.assert_allclose(row, want, rtol=1e-5, atol=1e-12)
-    no_warmup = train_lib.warmup_cosine(2.0, total_steps=4)
+    no_warmup = schedules.warmup_cosine(2.0, total_steps=4)
     np.testing.assert_allclose(
         no_warmup(jnp.arange(5)), 2.0 * optax.cosine_decay_schedule(1.0, 4)(jnp.arange(5))
     )
@@ -301,7 +305,7 @@ def test_warmup_cosine_accepts_traced_peak():
 def test_scheduled_matches_hand_built_chain():
     params = {"w": jnp.asarray([[1.0, -2.0], [0.5, 3.0]])}
     grads = {"w": jnp.asarray([[4.0, 0.1], [-2.0, 1.0]])}
-    make_tx = train_lib.scheduled(optax.adamw, total_steps=10, warmup_steps=2, clip_norm=1.0)
+    make_tx = schedules.scheduled(optax.adamw, total_steps=10, warmup_steps=2, clip_norm=1.0)
     tx = make_tx(learning_rate=0.1, weight_decay=0.3)
     ref = optax.chain(
         optax.clip_by_global_norm(1.0),
@@ -359,67 +363,20 @@ def test_schedule_arguments_are_checked_up_front():
         (dict(total_steps=10, clip_norm=0.0), "clip_norm"),
     ):
         with pytest.raises(ValueError, match=f"`{name}`"):
-            train_lib.scheduled(optax.adamw, **kw)
+            schedules.scheduled(optax.adamw, **kw)
     with pytest.raises(ValueError, match="`total_steps`"):
-        train_lib.warmup_cosine(1e-3, total_steps=0)
-    train_lib.scheduled(optax.adamw, total_steps=10, warmup_steps=9, clip_norm=None)
-
-
-def test_grid_over_devices_and_chunks():
-    """On 4 CPU devices (own process): the K axis split over the devices with shard_map, and
-    lax.map chunks of any size, give the one-device vmap's results to float rounding; a sharded
-    run resumed from its checkpoint equals the uninterrupted one bit for bit and stays sharded;
-    8-bit state with skip_nonfinite trains sharded as on one device. The results come back on
-    one device, and no program compiled for any of it runs a collective (XLA:CPU's can
-    deadlock: train._off_cpu_mesh)."""
-    program = pathlib.Path(__file__).parent / "programs" / "grid_over_devices.py"
-    proc = subprocess.run(
-        [sys.executable, str(program)], capture_output=True, text=True, timeout=600,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["devices"] == out["mesh_size"] == 4
-    assert set(out["variants"]) == {
-        "sharded, chunk auto",
-        "sharded, chunk 1",
-        "one device, chunk 3",
-    }
-    first_config = out["variants"]["one device, chunk 3"]["first_config"]
-    for name, v in out["variants"].items():
-        assert v["devices"] == (1 if name.startswith("one device") else 4), name
-        assert v["param_devices"] == 1, name  # handed back on one device
-        assert v["first_config"] == pytest.approx(first_config, rel=1e-5), name
-        assert v["loss_diff"] < 1e-5 and v["param_diff"] < 1e-5 and v["val_loss_diff"] < 1e-5, v
-    padded = out["padded"]  # K = 5 padded to 8 on 4 devices; the padding is dropped
-    assert padded["runs"] == padded["param_rows"] == 5
-    assert padded["param_diff"] < 1e-5 and padded["loss_diff"] < 1e-5, padded
-    assert out["resume_start"] == 3 and out["resume_bit_identical"]
-    assert out["resumed_devices"] == 4 and out["resumed_param_devices"] == 1
-    # 8-bit state with skip_nonfinite (apply_if_finite's lax.cond) inside the shard_map.
-    int8 = out["int8_skip"]
-    assert int8.get("devices") == 4 and int8.get("param_devices") == 1, int8
-    # Not 1e-5 as above: the two programs fuse differently, and a rounding difference that
-    # flips one 8-bit code moves a moment by a step of the map, which later steps carry
-    # (after 6 steps of lr <= 3e-2, the parameters having moved by up to ~0.2; XLA's
-    # program on both): 2.3e-5 - 2.8e-5 on a Zen 1 EPYC, 6.5e-4 on a Zen 4 (the same with
-    # the package before and after its VBMI encoder, which this does not run). A mixed-up
-    # or wrongly sharded run would differ as much as another run does (2.7 here).
-    assert int8["param_diff"] < 2e-3, int8
-    assert int8["other_run_diff"] > 20 * int8["param_diff"], int8
-    # Not vacuous: the dump holds the programs, the sharded step's among them.
-    assert out["compiled_modules"] > 50 and out["step_modules"] >= 4, out
-    assert out["collective_modules"] == [], out["collective_modules"]
+        schedules.warmup_cosine(1e-3, total_steps=0)
+    schedules.scheduled(optax.adamw, total_steps=10, warmup_steps=9, clip_norm=None)
 
 
 def test_config_chunk_resolution():
-    assert train_lib.resolve_config_chunk("auto", "cpu") == train_lib.CPU_CONFIG_CHUNK
-    assert train_lib.resolve_config_chunk("auto", "gpu") is None
-    assert train_lib.resolve_config_chunk(3, "gpu") == 3
-    assert train_lib.resolve_config_chunk(None, "cpu") is None
-    assert train_lib.config_mesh(3, shard=False) is None
-    assert train_lib.config_mesh(1) is None
-    mesh = train_lib.config_mesh(1000)
+    assert programs.resolve_config_chunk("auto", "cpu") == programs.CPU_CONFIG_CHUNK
+    assert programs.resolve_config_chunk("auto", "gpu") is None
+    assert programs.resolve_config_chunk(3, "gpu") == 3
+    assert programs.resolve_config_chunk(None, "cpu") is None
+    assert programs.config_mesh(3, shard=False) is None
+    assert programs.config_mesh(1) is None
+    mesh = programs.config_mesh(1000)
     assert (mesh.size if mesh else 1) == len(jax.local_devices())
 
 
@@ -427,15 +384,15 @@ def test_optax_decoupled_adamw_plugs_in(task, model_config):
     """optax_decoupled.adamw(mask="auto") trains in the grid, and its mask on the SSM's
     parameters is the one written out by hand: decay only the >= 2-D kernels, never A_log, D,
     dt_bias, norm scales, biases or the embedding."""
-    _, params, _ = train_lib.init_model(model_config, 0)
+    _, params, _ = training_step.init_model(model_config, 0)
     by_hand = jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", params)
-    assert od.masks.resolve_mask("auto", params) == by_hand
+    assert od.resolve_mask("auto", params) == by_hand
 
     steps = 6
     loop = train_lib.TrainConfig(
         steps=steps, eval_every=steps, eval_splits=(), final_splits=(), progress=False
     )
-    make_tx = train_lib.scheduled(
+    make_tx = schedules.scheduled(
         od.adamw, total_steps=steps, warmup_steps=1, clip_norm=1.0, mask="auto"
     )
     hp = {"learning_rate": [1e-2, 1e-2], "weight_decay": [0.0, 0.5]}

@@ -17,6 +17,7 @@ def multi_steps_vs_averaged_gradients(
     every_k: int,
     rounds: int = 2,
     update_multi: Callable | None = None,
+    update_inner: Callable | None = None,
 ) -> Iterator[tuple]:
     """After each of ``rounds`` rounds, yields ``(params after every_k micro-steps of
     optax.MultiSteps, params after one step of inner on their mean gradient)``.
@@ -25,6 +26,7 @@ def multi_steps_vs_averaged_gradients(
     written-out run, ``p``, so both runs see the same gradients.
     """
     update_multi = update_multi or multi.update
+    update_inner = update_inner or inner.update
     pm, sm = params, multi.init(params)
     pi, si = params, inner.init(params)
     for big in range(rounds):
@@ -33,6 +35,6 @@ def multi_steps_vs_averaged_gradients(
             u, sm = update_multi(g, sm, pm)
             pm = optax.apply_updates(pm, u)
         mean = jax.tree.map(lambda *gs: sum(gs) / every_k, *micro)
-        u, si = inner.update(mean, si, pi)
+        u, si = update_inner(mean, si, pi)
         pi = optax.apply_updates(pi, u)
         yield pm, pi

@@ -30,8 +30,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import optax_decoupled as od  # noqa: E402
-from optax_decoupled import storage  # noqa: E402
-from optax_decoupled.experiments import ssm, tasks  # noqa: E402
+from optax_decoupled.experiments import programs, schedules, ssm, tasks  # noqa: E402
 from optax_decoupled.experiments import train as train_lib  # noqa: E402
 
 STEPS = 6
@@ -39,7 +38,7 @@ task = tasks.induction_heads(seq_len=16, vocab_size=8, batch_size=8, num_eval=32
 model = ssm.SSMConfig(
     d_model=16, n_layers=1, d_state=8, headdim=8, chunk_size=8, **task.model_kwargs()
 )
-make_tx = train_lib.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2)
+make_tx = schedules.scheduled(optax.adamw, total_steps=STEPS, warmup_steps=2)
 hparams = {"learning_rate": [1e-3, 3e-3, 1e-2, 3e-2], "weight_decay": [0.0, 0.1, 0.01, 0.3]}
 seeds = [0, 1, 2, 3]
 base = train_lib.TrainConfig(
@@ -64,7 +63,7 @@ variants = {
     "sharded, chunk 1": dataclasses.replace(base, config_chunk=1),
     "one device, chunk 3": dataclasses.replace(base, shard_configs=False, config_chunk=3),
 }
-out = {"devices": len(jax.devices()), "mesh_size": train_lib.config_mesh(4).size, "variants": {}}
+out = {"devices": len(jax.devices()), "mesh_size": programs.config_mesh(4).size, "variants": {}}
 results = {}
 for name, config in variants.items():
     res = results[name] = run(config)
@@ -98,12 +97,11 @@ out["padded"] = {
 # 8-bit moments under apply_if_finite (skip_nonfinite), K split over the devices: the vmapped
 # lax.cond around the 8-bit table lookups raised JAX's "pvary is a invariant->variant
 # collective" inside shard_map with its vma checks on.
-int8_tx = train_lib.scheduled(
+int8_tx = schedules.scheduled(
     od.adamw,
     total_steps=STEPS,
     warmup_steps=2,
-    # XLA's program on both (the CPU kernel never runs inside shard_map).
-    state_dtype=storage.BlockwiseInt8Storage(block_size=64, min_size=0, cpu_kernel=False),
+    state_dtype=od.BlockwiseInt8Storage(block_size=64, min_size=0),
 )
 skip = dataclasses.replace(base, skip_nonfinite=True, config_chunk=None)
 int8_lr = {"learning_rate": hparams["learning_rate"]}

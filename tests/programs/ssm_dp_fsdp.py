@@ -3,7 +3,7 @@
 A data-parallel + FSDP training step of the SSM on a 2x4 mesh ``('data', 'fsdp')``: the batch
 is split over ``'data'`` (its leading axis), every parameter is split over ``'fsdp'`` along its
 first axis whose size 4 divides (the rest are replicated), and the optimizer state takes its
-parameter's sharding (``optax_decoupled.sharding.jit_init``). The same pure step, jitted
+parameter's sharding (``optax_decoupled.contrib.jit_init``). The same pure step, jitted
 without any sharding on one device, is the reference. Prints one JSON object: both loss
 trajectories, their largest relative difference, the largest parameter difference at the end,
 and a list of problems (shardings that were not kept, non-finite values).
@@ -28,9 +28,8 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_decoupled as od  # noqa: E402
-from optax_decoupled import sharding  # noqa: E402
-from optax_decoupled.experiments import ssm, tasks  # noqa: E402
-from optax_decoupled.experiments import train as train_lib  # noqa: E402
+from optax_decoupled._src import sharding  # noqa: E402
+from optax_decoupled.experiments import ssm, tasks, training_step  # noqa: E402
 
 ALIASES = {
     "adamw": lambda: od.adamw(1e-2, weight_decay=0.1),
@@ -55,14 +54,14 @@ def main(alias: str, steps: int) -> None:
     config = ssm.SSMConfig(
         d_model=16, n_layers=1, d_state=8, headdim=8, chunk_size=8, **task.model_kwargs()
     )
-    graphdef, params0, rest = train_lib.init_model(config, 0)
-    _, data_key = train_lib.seed_keys(0)
+    graphdef, params0, rest = training_step.init_model(config, 0)
+    _, data_key = training_step.seed_keys(0)
     batches = [jax.tree.map(np.asarray, task.train_batch(data_key, s)) for s in range(steps)]
     tx = ALIASES[alias]()
 
     def step(params, opt_state, batch):
         def loss(p):
-            return train_lib.loss_fn(p, batch, graphdef=graphdef, rest=rest)[0]
+            return training_step.loss_fn(p, batch, graphdef=graphdef, rest=rest)[0]
 
         value, grads = jax.value_and_grad(loss)(params)
         updates, opt_state = tx.update(grads, opt_state, params)

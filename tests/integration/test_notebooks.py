@@ -1,14 +1,14 @@
 """The committed notebooks carry the outputs of a run at their default size (``make
 notebooks``), which the documentation site renders: every code cell executed in order, no
-errors, the figures present, and the run not a smoke-size one. (``make test`` also executes
-each notebook at smoke size with nbmake; that run does not write back.)"""
+errors, the figures present, and the run not a smoke-size one. (``make test-integration`` also
+executes each notebook at smoke size with nbmake; that run does not write back.)"""
 
 import json
 import pathlib
 
 import pytest
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((pathlib.Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
 
 # A line each notebook prints in its first code cell at default size (never at smoke size).
 DEFAULT_SIZE_MARKERS = {

@@ -19,19 +19,27 @@ from optax_decoupled._src.transforms import (
     AMSGRAD_VARIANTS,
     DECAY_CONVENTIONS,
     ScaleByAdamState,
+    ScaleByAmsgradState,
     _decay_rate,
 )
 
+_ADAM_STATES = (ScaleByAdamState, ScaleByAmsgradState)
 
-def find_adam_state(opt_state: Any) -> ScaleByAdamState:
-    """The (first) :class:`ScaleByAdamState` inside a nested optimizer state."""
+
+def find_adam_state(opt_state: Any) -> Any:
+    """The (first) :class:`~optax_decoupled.ScaleByAdamState` or
+    :class:`~optax_decoupled.ScaleByAmsgradState` inside a nested optimizer state (Optax's
+    own classes, so an ``optax.adam`` state is found too)."""
     found = [
         s
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByAdamState))
-        if isinstance(s, ScaleByAdamState)
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, _ADAM_STATES))
+        if isinstance(s, _ADAM_STATES)
     ]
     if not found:
-        raise ValueError("the optimizer state holds no ScaleByAdamState (not an Adam variant).")
+        raise ValueError(
+            "the optimizer state holds no ScaleByAdamState or ScaleByAmsgradState (not an "
+            "Adam variant)."
+        )
     return found[0]
 
 
@@ -134,18 +142,19 @@ def effective_decay(
             lambda p, m: jnp.full(jnp.shape(p), s if m else 0.0, jnp.float32), params, decays
         )
     adam = find_adam_state(opt_state)
-    if adam.nu_max is not None and amsgrad is None:
+    nu_max = getattr(adam, "nu_max", None)
+    if nu_max is not None and amsgrad is None:
         raise ValueError(
             "effective_decay: the optimizer state holds AMSGrad's running maximum (nu_max), "
             "but `amsgrad` is None; pass the optimizer's AMSGrad convention "
             f"({', '.join(repr(v) for v in AMSGRAD_VARIANTS if v is not None)})."
         )
-    if adam.nu_max is None and amsgrad is not None:
+    if nu_max is None and amsgrad is not None:
         raise ValueError(
             f"effective_decay: `amsgrad` is {amsgrad!r} but the optimizer state is plain Adam "
             "(it holds no AMSGrad maximum nu_max); pass amsgrad=None."
         )
-    store = storage_lib.resolve_storage(state_dtype)
+    store = storage_lib.resolve_moment_storages(state_dtype, ("mu", "nu"))["nu"]
     # Leaves, not trees: under flax.nnx the parameters are Param variables and the state's
     # moments OptState variables, which jax.tree.map cannot pair.
     (count,) = jax.tree.leaves(adam.count)
@@ -153,7 +162,7 @@ def effective_decay(
     bc2 = 1.0 - b2 ** count.astype(jnp.float32)
     p_leaves, treedef = jax.tree.flatten(params)
     # (An nnx.Optimizer's state holds 8-bit moments as {codes, absmax} States after a step.)
-    nu_tree = restore_quantized(adam.nu if amsgrad is None else adam.nu_max, signed=False)
+    nu_tree = restore_quantized(adam.nu if amsgrad is None else nu_max, signed=False)
     nu_leaves = jax.tree.leaves(nu_tree, is_leaf=lambda x: isinstance(x, QuantizedArray))
     if len(nu_leaves) != len(p_leaves):
         raise ValueError(

@@ -17,7 +17,14 @@ packing, sharding helpers, the memory audit, the 8-bit codes).
 
 from optax_decoupled import contrib, diagnostics
 from optax_decoupled._src.aliases import adam_l2, adamw, amsgrad, lion
-from optax_decoupled._src.masks import DecayMask, decay_mask, resolve_mask
+from optax_decoupled._src.masks import (
+    DecayMask,
+    MaskDecision,
+    MaskExplanation,
+    decay_mask,
+    explain_mask,
+    resolve_mask,
+)
 from optax_decoupled._src.storage import (
     BlockwiseInt8Storage,
     FloatStorage,
@@ -51,6 +58,8 @@ __all__ = (
     "BlockwiseInt8Storage",
     "DecayMask",
     "DecoupledWeightDecayState",
+    "MaskDecision",
+    "MaskExplanation",
     "FloatStorage",
     "MomentStorage",
     "ScaleByAdamState",
@@ -65,6 +74,7 @@ __all__ = (
     "decay_mask",
     "decay_rate",
     "decoupled_weight_decay",
+    "explain_mask",
     "diagnostics",
     "lion",
     "resolve_mask",

@@ -141,6 +141,7 @@ def adamw(
     amsgrad: str | None = None,
     decay_convention: str = "lr",
     peak_learning_rate: Any = None,
+    cautious: bool = False,
     state_dtype: storage_lib.StateDtype = None,
 ) -> optax.GradientTransformation:
     r"""AdamW: Adam with **decoupled** weight decay (Loshchilov & Hutter, ICLR 2019).
@@ -199,7 +200,13 @@ def adamw(
         b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, amsgrad=amsgrad, state_dtype=state_dtype
     )
     return _with_decoupled_decay(
-        scaling, learning_rate, weight_decay, decay_convention, peak_learning_rate, mask
+        scaling,
+        learning_rate,
+        weight_decay,
+        decay_convention,
+        peak_learning_rate,
+        mask,
+        cautious=cautious,
     )
 
 
@@ -211,6 +218,7 @@ def _with_decoupled_decay(
     peak_learning_rate: Any,
     mask: masks_lib.MaskArg,
     *,
+    cautious: bool = False,
     keep_zero: bool = True,
 ) -> optax.GradientTransformation:
     """``scaling`` → decay → learning rate for ``"lr"`` (Optax's chain and state), ``scaling``
@@ -219,11 +227,14 @@ def _with_decoupled_decay(
     chain has none)."""
     if not keep_zero and transforms._is_zero(weight_decay) and peak_learning_rate is None:
         masks_lib.check_mask_arg(mask)
+        transforms._check_bool("cautious", cautious)
         return optax.chain(scaling, _scale_by_learning_rate(learning_rate))
     if convention == "lr":
         if peak_learning_rate is not None:  # checked where the convention ignores it
             transforms._resolve_peak(convention, learning_rate, peak_learning_rate)
-        decay = transforms._add_decayed_weights(weight_decay, mask, "decoupled_weight_decay")
+        decay = transforms._add_decayed_weights(
+            weight_decay, mask, "decoupled_weight_decay", cautious=cautious
+        )
         return optax.chain(scaling, decay, _scale_by_learning_rate(learning_rate))
     return optax.chain(
         scaling,
@@ -234,6 +245,7 @@ def _with_decoupled_decay(
             learning_rate=learning_rate,
             peak_learning_rate=peak_learning_rate,
             mask=mask,
+            cautious=cautious,
         ),
     )
 
@@ -252,6 +264,7 @@ def amsgrad(
     decay_convention: str = "lr",
     peak_learning_rate: Any = None,
     mask: masks_lib.MaskArg = "auto",
+    cautious: bool = False,
     state_dtype: storage_lib.StateDtype = None,
 ) -> optax.GradientTransformation:
     r"""AMSGrad (Reddi, Kale & Kumar, "On the Convergence of Adam and Beyond", ICLR 2018).
@@ -287,6 +300,7 @@ def amsgrad(
         scheduled or injected learning rate; ignored (but checked) by ``"lr"`` and
         ``"constant"``; must be ``None`` with ``coupled=True``.
       mask: which leaves are decayed or regularised (default ``"auto"``).
+      cautious: cautious decoupled decay (see :func:`adamw`); not with ``coupled=True``.
       state_dtype: storage of the moments (:func:`~optax_decoupled.resolve_storage`).
 
     Examples:
@@ -313,6 +327,8 @@ def amsgrad(
     if not isinstance(coupled, bool):
         raise ValueError(f"`coupled` must be a bool, got {coupled!r}.")
     if coupled:
+        if cautious:
+            raise ValueError("`cautious` applies to decoupled decay only (coupled=False).")
         if decay_convention != "lr" or peak_learning_rate is not None:
             raise ValueError(
                 "`decay_convention`/`peak_learning_rate` apply to decoupled decay only; "
@@ -342,6 +358,7 @@ def amsgrad(
         decay_convention,
         peak_learning_rate,
         mask,
+        cautious=cautious,
         keep_zero=False,
     )
 
@@ -358,6 +375,7 @@ def lion(
     smooth_beta: float | None = None,
     decay_convention: str = "lr",
     peak_learning_rate: Any = None,
+    cautious: bool = False,
     state_dtype: storage_lib.StateDtype = None,
 ) -> optax.GradientTransformation:
     r"""Lion with decoupled weight decay (Chen et al., NeurIPS 2023).
@@ -388,6 +406,7 @@ def lion(
         scheduled or injected learning rate; ignored (but checked) by ``"lr"`` and
         ``"constant"``.
       mask: which leaves are decayed (default ``"auto"``).
+      cautious: cautious weight decay; see :func:`adamw`.
       mode, smooth_beta: the update's form; see :func:`~optax_decoupled.scale_by_lion`
         (``smooth_beta=None`` is 1.0; ``None`` keeps it out of ``optax.inject_hyperparams``'s
         state, which then has ``optax.lion``'s structure).
@@ -419,5 +438,11 @@ def lion(
         state_dtype=state_dtype,
     )
     return _with_decoupled_decay(
-        scaling, learning_rate, weight_decay, decay_convention, peak_learning_rate, mask
+        scaling,
+        learning_rate,
+        weight_decay,
+        decay_convention,
+        peak_learning_rate,
+        mask,
+        cautious=cautious,
     )

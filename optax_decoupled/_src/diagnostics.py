@@ -226,3 +226,77 @@ def update_ratios(updates: Any, params: Any, tiny: float = 1e-12) -> dict[str, j
         un = jnp.linalg.norm(jnp.ravel(jnp.asarray(u, jnp.float32)))
         out[masks_lib.path_string(path)] = un / jnp.maximum(pn, tiny)
     return out
+
+
+def decay_in_force(
+    params: Any,
+    updates: Any,
+    *,
+    learning_rate: Any,
+    weight_decay: float,
+    convention: str = "lr",
+    peak_learning_rate: Any = None,
+    mask: masks_lib.MaskArg = "auto",
+) -> dict[str, dict[str, jax.Array]]:
+    r"""The decoupled decay acting at a step, per parameter group of :func:`group_of`.
+
+    For each group of decayed leaves (the others have no decay in force):
+
+    * ``timescale``: :math:`\tau = 1/s_t` steps, the span of the exponential moving average
+      the weights are (Wang & Aitchison, ICML 2025; :func:`~optax_decoupled.decay_rate`);
+    * ``box``: :math:`\lambda\lVert\theta\rVert_\infty`; AdamW's iterates converge to the box
+      :math:`\lVert\theta\rVert_\infty \le 1/\lambda` (Xie & Li, ICML 2024), so a value near 1
+      means the box binds (meaningful for ``"lr"``, where :math:`\lambda` is the box's
+      inverse radius in units of the normalised step);
+    * ``update_ratio``: :math:`\lVert u\rVert_2/\lVert\theta\rVert_2` of the step ``updates``;
+    * ``equilibrium_ratio``: :math:`\sqrt{2 s_t}`, the ratio at which shrinking by
+      :math:`s_t` balances the growth of :math:`\lVert\theta\rVert^2` by steps orthogonal to
+      :math:`\theta` (the random-walk equilibrium of Kosson et al., ICML 2024, without
+      momentum's correlation of successive steps).
+
+    Args:
+      params: the parameters at the step.
+      updates: the step applied to them (what ``tx.update`` returned).
+      learning_rate: :math:`\eta_t` at the step (a number); ignored by ``"constant"``.
+      weight_decay: :math:`\lambda > 0`.
+      convention, peak_learning_rate: as :func:`~optax_decoupled.decoupled_weight_decay`.
+      mask: the optimizer's mask.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> params = {"w": jnp.full((4, 4), 2.0), "b": jnp.ones(4)}
+      >>> updates = {"w": jnp.full((4, 4), -1e-3), "b": jnp.zeros(4)}
+      >>> d = od.diagnostics.decay_in_force(params, updates, learning_rate=1e-3, weight_decay=0.1)
+      >>> print(sorted(d), f"{d['decayed']['timescale']:.0f} {d['decayed']['box']:.2f}")
+      ['decayed'] 10000 0.20
+    """
+    V.check_not_schedule("weight_decay", weight_decay)
+    V.check_positive("weight_decay", weight_decay)
+    V.check_choice("convention", convention, DECAY_CONVENTIONS)
+    lr = None if convention == "constant" else learning_rate
+    s = _decay_rate(weight_decay, convention, lr, peak_learning_rate)
+    decays = masks_lib.resolve_mask(mask, params)
+    groups: dict[str, dict[str, Any]] = {}
+    p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, p), u, m in zip(
+        p_leaves, jax.tree.leaves(updates), jax.tree.leaves(decays), strict=True
+    ):
+        if not m:
+            continue
+        g = group_of(masks_lib.path_components(path), jnp.ndim(p))
+        acc = groups.setdefault(g, {"p2": 0.0, "u2": 0.0, "inf": 0.0})
+        p32, u32 = jnp.abs(jnp.asarray(p, jnp.float32)), jnp.abs(jnp.asarray(u, jnp.float32))
+        acc["p2"] = acc["p2"] + jnp.sum(p32 * p32)
+        acc["u2"] = acc["u2"] + jnp.sum(u32 * u32)
+        acc["inf"] = jnp.maximum(acc["inf"], jnp.max(p32, initial=0.0))
+    s = jnp.asarray(s, jnp.float32)
+    return {
+        g: {
+            "timescale": 1.0 / s,
+            "box": weight_decay * acc["inf"],
+            "update_ratio": jnp.sqrt(acc["u2"]) / jnp.maximum(jnp.sqrt(acc["p2"]), 1e-12),
+            "equilibrium_ratio": jnp.sqrt(2.0 * s),
+        }
+        for g, acc in sorted(groups.items())
+    }

@@ -39,6 +39,11 @@ def _at(name: str, value: Any, count: jax.Array) -> Any:
     return value_t
 
 
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be a bool, got {value!r}.")
+
+
 def _check_hyperparam(name: str, value: Any, check=V.check_non_negative) -> None:
     if not callable(value):
         check(name, value)
@@ -126,6 +131,14 @@ def _decayed(updates: Any, decays: Any) -> Any:
     return jax.tree.map(lambda u, m: u if m else None, updates, decays)
 
 
+def _cautious(direction: jax.Array, param: jax.Array) -> jax.Array:
+    r"""Chen et al.'s cautious selection :math:`\mathbb{1}[u \odot \theta \ge 0]`: the
+    coordinates where the optimizer's direction :math:`u` (the step is :math:`-\eta u`) and
+    the parameter have the same sign, or either is zero (the real part of
+    :math:`u\bar\theta` for complex ones)."""
+    return (jnp.real(direction * jnp.conj(param)) >= 0).astype(jnp.result_type(param))
+
+
 def _require_params(params: Any, name: str) -> None:
     if params is None:
         raise ValueError(
@@ -197,14 +210,21 @@ def _is_zero(value: Any) -> bool:
 
 
 def _add_decayed_weights(
-    weight_decay: optax.ScalarOrSchedule, mask: masks_lib.MaskArg, who: str
+    weight_decay: optax.ScalarOrSchedule,
+    mask: masks_lib.MaskArg,
+    who: str,
+    *,
+    cautious: bool = False,
 ) -> optax.GradientTransformation:
-    """:math:`g + \\lambda_t\\theta` on the leaves ``mask`` selects, with the state of
+    r""":math:`g + \lambda_t\theta` on the leaves ``mask`` selects, with the state of
     ``optax.add_decayed_weights(weight_decay)`` (``optax.EmptyState()``, or Optax's step count
     for a schedule), so that a chain holding it has Optax's state structure. A concrete zero
-    ``weight_decay`` leaves the updates as they are and does not need ``params``."""
+    ``weight_decay`` leaves the updates as they are and does not need ``params``. With
+    ``cautious``, :math:`g + \lambda_t \mathbb{1}[g \odot \theta \ge 0]\,\theta`, ``g`` being
+    the optimizer's direction (this transform sits before the learning rate)."""
     _check_hyperparam("weight_decay", weight_decay)
     masks_lib.check_mask_arg(mask)
+    _check_bool("cautious", cautious)
     optax_state = optax.add_decayed_weights(weight_decay).init
     scheduled = callable(weight_decay)
 
@@ -225,8 +245,12 @@ def _add_decayed_weights(
         wd = _at("weight_decay", weight_decay, state.count) if scheduled else weight_decay
         decays = masks_lib.resolve_mask(mask, params)
         check_hyperparameter_shapes(who, {"weight_decay": wd}, _decayed(updates, decays))
+        if cautious:
+            add = lambda g, p: g + wd * (_cautious(g, p) * p)  # noqa: E731
+        else:
+            add = lambda g, p: g + wd * p  # noqa: E731
         updates = jax.tree.map(
-            lambda g, p, m: (g + wd * p).astype(jnp.result_type(g)) if m else g,
+            lambda g, p, m: add(g, p).astype(jnp.result_type(g)) if m else g,
             updates,
             params,
             decays,
@@ -353,6 +377,7 @@ def decoupled_weight_decay(
     learning_rate: optax.ScalarOrSchedule | None = None,
     peak_learning_rate: Any = None,
     mask: masks_lib.MaskArg = "auto",
+    cautious: bool = False,
 ) -> optax.GradientTransformation:
     r"""Decoupled weight decay, applied to the final update (after the learning rate).
 
@@ -388,6 +413,11 @@ def decoupled_weight_decay(
         ``"lr"`` and ``"constant"`` ignore it, but a given value is still checked (> 0, finite),
         so one set of arguments can be passed to every convention.
       mask: which leaves are decayed; see :func:`~optax_decoupled.resolve_mask`.
+      cautious: decay only the coordinates where the step and the parameter point the same
+        way, :math:`u_t \leftarrow u_t - s_t\,\mathbb{1}[u_t \odot \theta_t \le 0]\,
+        \theta_t` (the step :math:`u_t = -\eta_t d_t` moves against the direction
+        :math:`d_t`, so this is :math:`\mathbb{1}[d_t \odot \theta_t \ge 0]`; Chen et al.,
+        "Cautious Weight Decay", 2025). Every convention; default ``False``.
 
     Raises:
       ValueError: for a negative ``weight_decay``, an unknown ``convention``, a missing
@@ -416,6 +446,7 @@ def decoupled_weight_decay(
     V.check_choice("convention", convention, DECAY_CONVENTIONS)
     _check_hyperparam("weight_decay", weight_decay)
     masks_lib.check_mask_arg(mask)
+    _check_bool("cautious", cautious)
     if convention != "constant":
         if learning_rate is None:
             raise ValueError(
@@ -449,8 +480,12 @@ def decoupled_weight_decay(
             _decayed(updates, decays),
         )
         s = _decay_rate(wd_t, convention, lr_t, peak)  # the values are checked: _at, _resolve_peak
+        if cautious:  # the step is -η d: same sign as the direction d where u·θ <= 0
+            shrink = lambda u, p: u - s * (_cautious(-u, p) * p)  # noqa: E731
+        else:
+            shrink = lambda u, p: u - s * p  # noqa: E731
         updates = jax.tree.map(
-            lambda u, p, m: (u - s * p).astype(jnp.result_type(u)) if m else u,
+            lambda u, p, m: shrink(u, p).astype(jnp.result_type(u)) if m else u,
             updates,
             params,
             decays,

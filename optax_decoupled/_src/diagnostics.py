@@ -237,6 +237,7 @@ def decay_in_force(
     convention: str = "lr",
     peak_learning_rate: Any = None,
     mask: masks_lib.MaskArg = "auto",
+    b1: float = 0.9,
 ) -> dict[str, dict[str, jax.Array]]:
     r"""The decoupled decay acting at a step, per parameter group of :func:`group_of`.
 
@@ -249,10 +250,10 @@ def decay_in_force(
       means the box binds (meaningful for ``"lr"``, where :math:`\lambda` is the box's
       inverse radius in units of the normalised step);
     * ``update_ratio``: :math:`\lVert u\rVert_2/\lVert\theta\rVert_2` of the step ``updates``;
-    * ``equilibrium_ratio``: :math:`\sqrt{2 s_t}`, the ratio at which shrinking by
-      :math:`s_t` balances the growth of :math:`\lVert\theta\rVert^2` by steps orthogonal to
-      :math:`\theta` (the random-walk equilibrium of Kosson et al., ICML 2024, without
-      momentum's correlation of successive steps).
+    * ``equilibrium_ratio``: :math:`\sqrt{2 s_t (1-\beta_1)/(1+\beta_1)}`, the ratio at
+      which shrinking by :math:`s_t` balances the growth of :math:`\lVert\theta\rVert^2` by
+      steps of random direction smoothed by momentum :math:`\beta_1` (the rotational
+      equilibrium of Kosson et al., ICML 2024; :math:`\sqrt{2 s_t}` without momentum).
 
     Args:
       params: the parameters at the step.
@@ -261,6 +262,8 @@ def decay_in_force(
       weight_decay: :math:`\lambda > 0`.
       convention, peak_learning_rate: as :func:`~optax_decoupled.decoupled_weight_decay`.
       mask: the optimizer's mask.
+      b1: the momentum :math:`\beta_1` of the optimizer's direction (Adam's and Lion's
+        first-moment rate; 0 for none).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -274,6 +277,7 @@ def decay_in_force(
     V.check_not_schedule("weight_decay", weight_decay)
     V.check_positive("weight_decay", weight_decay)
     V.check_choice("convention", convention, DECAY_CONVENTIONS)
+    V.check_beta("b1", b1)
     lr = None if convention == "constant" else learning_rate
     s = _decay_rate(weight_decay, convention, lr, peak_learning_rate)
     decays = masks_lib.resolve_mask(mask, params)
@@ -296,7 +300,7 @@ def decay_in_force(
             "timescale": 1.0 / s,
             "box": weight_decay * acc["inf"],
             "update_ratio": jnp.sqrt(acc["u2"]) / jnp.maximum(jnp.sqrt(acc["p2"]), 1e-12),
-            "equilibrium_ratio": jnp.sqrt(2.0 * s),
+            "equilibrium_ratio": jnp.sqrt(2.0 * s * (1.0 - b1) / (1.0 + b1)),
         }
         for g, acc in sorted(groups.items())
     }

@@ -16,7 +16,7 @@ packing, sharding helpers, the memory audit, the 8-bit codes).
 """
 
 from optax_decoupled import contrib, diagnostics
-from optax_decoupled._src.aliases import adam_l2, adamw, amsgrad, lion
+from optax_decoupled._src.aliases import adam, adam_l2, adamw, amsgrad, lion
 from optax_decoupled._src.masks import (
     DecayMask,
     MaskDecision,
@@ -65,6 +65,7 @@ __all__ = (
     "ScaleByAdamState",
     "ScaleByAmsgradState",
     "ScaleByLionState",
+    "adam",
     "adam_l2",
     "add_l2_gradient",
     "adamw",

@@ -240,7 +240,9 @@ CASES: dict[str, Case] = {
     ),
     "packed-grads-shape": Case(
         "`od.contrib.packed`: a gradient leaf of another shape than its parameter (a transposed one too)",
-        lambda: _update(od.contrib.packed(od.adamw)(1e-3), {"w": jnp.ones((3, 2)), "b": jnp.ones(3)}),
+        lambda: _update(
+            od.contrib.packed(od.adamw)(1e-3), {"w": jnp.ones((3, 2)), "b": jnp.ones(3)}
+        ),
     ),
     "grads-shape-8bit": Case(
         "a gradient leaf that fills another number of blocks than its 8-bit moment, `update` "

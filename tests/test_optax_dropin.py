@@ -64,9 +64,14 @@ PAIRS = {
         lambda: od.adamw(1e-2, 0.8, 0.99, 1e-6, 1e-8, weight_decay=1e-3, mask=None),
         lambda: optax.adamw(1e-2, 0.8, 0.99, 1e-6, 1e-8, weight_decay=1e-3),
     ),
-    "adam": (
+    "adamw-no-decay": (
         lambda: od.adamw(1e-2, weight_decay=0.0, mask=None),
         lambda: optax.adamw(1e-2, weight_decay=0.0),
+    ),
+    "adam": (lambda: od.adam(1e-2), lambda: optax.adam(1e-2)),
+    "adam-schedule-nesterov": (
+        lambda: od.adam(SCHEDULE, nesterov=True),
+        lambda: optax.adam(SCHEDULE, nesterov=True),
     ),
     "lion": (
         lambda: od.lion(1e-3, weight_decay=0.1, mask=None),
@@ -154,6 +159,25 @@ def test_complex_parameters_as_optax(name):
 def test_complex_parameters_need_moments_in_their_own_dtype(state_dtype):
     with pytest.raises(ValueError, match=r"state_dtype.*complex parameter \['b'\]"):
         od.adamw(1e-3, state_dtype=state_dtype).init(_params(jnp.complex64))
+
+
+def test_inside_multi_transform_where_one_side_gets_no_leaves():
+    params = _params()
+    labels = jax.tree.map(lambda _: "frozen", params)
+    for inner in (od.adamw(1e-2, mask=None), od.lion(1e-3, mask=None), od.amsgrad(1e-2)):
+        tx = optax.multi_transform({"train": inner, "frozen": optax.set_to_zero()}, labels)
+        updates, _ = tx.update(_grads(params, 0), tx.init(params), params)
+        assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(updates))
+
+
+def test_mu_dtype_on_complex_parameters_as_optax():
+    params = _params(jnp.complex64)
+    ours = od.adamw(1e-2, mask=None, weight_decay=0.0, mu_dtype=jnp.complex64)
+    theirs = optax.adamw(1e-2, weight_decay=0.0, mu_dtype=jnp.complex64)
+    p_ours, _ = _run(ours, params, 5, jit=True)
+    p_theirs, _ = _run(theirs, params, 5, jit=True)
+    for a, b in zip(jax.tree.leaves(p_ours), jax.tree.leaves(p_theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_integer_parameters_are_refused_on_purpose():

@@ -443,7 +443,10 @@ def test_module_and_function_names_are_distinct():
 
     assert callable(od.contrib.packed) and od.contrib.packed is packing_module.packed
     assert importlib.import_module("optax_decoupled.packing") is od.packing
-    assert od.contrib.PackedState is PackedState and od.contrib.PACKED_MASK is packing_module.PACKED_MASK
+    assert (
+        od.contrib.PackedState is PackedState
+        and od.contrib.PACKED_MASK is packing_module.PACKED_MASK
+    )
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("optax_decoupled.packed")
 

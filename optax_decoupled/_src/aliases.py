@@ -59,6 +59,55 @@ def _scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.Grad
     return optax.GradientTransformation(inner.init, update_fn)
 
 
+def adam(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    *,
+    nesterov: bool = False,
+    amsgrad: str | None = None,
+    state_dtype: storage_lib.StateDtype = None,
+) -> optax.GradientTransformation:
+    r"""Adam without weight decay (Kingma & Ba, ICLR 2015).
+
+    .. math::
+
+        \theta_{t+1} = \theta_t - \eta_t\,\frac{\hat\mu_t}{\sqrt{\hat\nu_t}+\epsilon}
+
+    ``optax.adam``, bit for bit, with the same chain and state (``scale_by_adam`` → learning
+    rate); adds AMSGrad's conventions and ``state_dtype``. For decay use :func:`adamw`
+    (decoupled) or :func:`adam_l2` (coupled).
+
+    Args:
+      learning_rate: :math:`\eta_t \ge 0`, float, array or schedule.
+      b1, b2, eps, eps_root, mu_dtype, nesterov, amsgrad, state_dtype: see
+        :func:`~optax_decoupled.scale_by_adam`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import optax_decoupled as od
+      >>> params = {"w": jnp.ones(3)}
+      >>> tx, ref = od.adam(1e-2), optax.adam(1e-2)
+      >>> grads = {"w": jnp.array([0.1, -0.2, 0.3])}
+      >>> (u, _), (r, _) = tx.update(grads, tx.init(params)), ref.update(grads, ref.init(params))
+      >>> bool(jnp.all(u["w"] == r["w"]))
+      True
+
+    References:
+      Kingma & Ba, `Adam: A Method for Stochastic Optimization
+      <https://arxiv.org/abs/1412.6980>`_, ICLR 2015.
+    """
+    _check_lr(learning_rate)
+    scaling = transforms.scale_by_adam(
+        b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, amsgrad=amsgrad, state_dtype=state_dtype
+    )
+    return optax.chain(scaling, _scale_by_learning_rate(learning_rate))
+
+
 def adam_l2(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,

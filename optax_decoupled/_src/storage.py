@@ -617,9 +617,10 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def check_complex_support(store: MomentStorage, params: Any, argument: str) -> None:
-    """Complex parameters need moments in their own dtype: other storages raise a
-    ``ValueError`` naming ``argument`` and the leaf."""
-    if isinstance(store, ParamDtypeStorage) and store.dtype is None:
+    """Complex parameters need moments in their own dtype, or in Optax's ``mu_dtype``
+    (cast as Optax casts): other storages raise a ``ValueError`` naming ``argument`` and the
+    leaf."""
+    if isinstance(store, ParamDtypeStorage):
         return
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if jnp.issubdtype(jnp.result_type(leaf), jnp.complexfloating):

@@ -49,16 +49,17 @@ def _check_hyperparam(name: str, value: Any, check=V.check_non_negative) -> None
         check(name, value)
 
 
-def _map_unzip(fn, tree: Any, *rest: Any) -> list[Any]:
-    """``jax.tree.map`` of a tuple-returning ``fn``, unzipped into one tree per output.
+def _map_unzip(fn, n_out: int, tree: Any, *rest: Any) -> list[Any]:
+    """``jax.tree.map`` of ``fn`` returning ``n_out`` values per leaf, unzipped into one tree
+    per output (``n_out`` empty trees for a tree without leaves, e.g. every leaf masked out
+    by ``optax.masked``).
 
     ``tree`` (the updates) gives the structure; ``rest`` may hold deeper subtrees per leaf
     (stored moments).
     """
     treedef = jax.tree.structure(tree)
     parts = treedef.flatten_up_to(jax.tree.map(fn, tree, *rest))
-    n = len(parts[0]) if parts else len(rest) + 1
-    return [treedef.unflatten([p[i] for p in parts]) for i in range(n)]
+    return [treedef.unflatten([p[i] for p in parts]) for i in range(n_out)]
 
 
 def _restore_quantized_moments(state: Any, unsigned: tuple[str, ...]) -> Any:
@@ -516,12 +517,7 @@ def _moment_storages(state_dtype: Any, mu_dtype: Any, moments: tuple[str, ...]) 
 def _init_moments(stores: dict, params: Any, signed: dict[str, bool], who: str) -> dict:
     V.check_param_dtypes(params, who)
     for store in stores.values():
-        explicit_dtype = (
-            isinstance(store, storage_lib.ParamDtypeStorage) and store.dtype is not None
-        )
-        storage_lib.check_complex_support(
-            store, params, "mu_dtype" if explicit_dtype else "state_dtype"
-        )
+        storage_lib.check_complex_support(store, params, "state_dtype")
     return {
         name: jax.tree.map(lambda p, st=store, sg=signed[name]: st.init(p, signed=sg), params)
         for name, store in stores.items()
@@ -566,7 +562,9 @@ def _store(
                 step=count,
             )
 
-        trees = _map_unzip(leaf, updates, *(stored[n] for n in run), *(new[n] for n in run))
+        trees = _map_unzip(
+            leaf, len(run), updates, *(stored[n] for n in run), *(new[n] for n in run)
+        )
         out.update(zip(run, trees, strict=True))
     return out
 

@@ -16,8 +16,15 @@ packing, sharding helpers, the memory audit, the 8-bit codes).
 """
 
 from optax_decoupled import contrib, diagnostics
-from optax_decoupled._src.aliases import adam_l2, adamw, amsgrad, lion
-from optax_decoupled._src.masks import DecayMask, decay_mask, resolve_mask
+from optax_decoupled._src.aliases import adam, adam_l2, adamw, amsgrad, lion
+from optax_decoupled._src.masks import (
+    DecayMask,
+    MaskDecision,
+    MaskExplanation,
+    decay_mask,
+    explain_mask,
+    resolve_mask,
+)
 from optax_decoupled._src.storage import (
     BlockwiseInt8Storage,
     FloatStorage,
@@ -32,9 +39,9 @@ from optax_decoupled._src.timescale import (
 from optax_decoupled._src.transforms import (
     AMSGRAD_VARIANTS,
     DECAY_CONVENTIONS,
-    AddL2GradientState,
     DecoupledWeightDecayState,
     ScaleByAdamState,
+    ScaleByAmsgradState,
     ScaleByLionState,
     add_l2_gradient,
     decay_rate,
@@ -48,14 +55,17 @@ __version__ = "0.1.0"
 __all__ = (
     "AMSGRAD_VARIANTS",
     "DECAY_CONVENTIONS",
-    "AddL2GradientState",
     "BlockwiseInt8Storage",
     "DecayMask",
     "DecoupledWeightDecayState",
+    "MaskDecision",
+    "MaskExplanation",
     "FloatStorage",
     "MomentStorage",
     "ScaleByAdamState",
+    "ScaleByAmsgradState",
     "ScaleByLionState",
+    "adam",
     "adam_l2",
     "add_l2_gradient",
     "adamw",
@@ -65,6 +75,7 @@ __all__ = (
     "decay_mask",
     "decay_rate",
     "decoupled_weight_decay",
+    "explain_mask",
     "diagnostics",
     "lion",
     "resolve_mask",

@@ -4,6 +4,7 @@ Functions of the optimizer state and parameters, for logging inside or outside `
 """
 
 from optax_decoupled._src.diagnostics import (
+    decay_in_force,
     effective_decay,
     find_adam_state,
     group_norms,
@@ -11,4 +12,11 @@ from optax_decoupled._src.diagnostics import (
     update_ratios,
 )
 
-__all__ = ("effective_decay", "find_adam_state", "group_norms", "group_of", "update_ratios")
+__all__ = (
+    "decay_in_force",
+    "effective_decay",
+    "find_adam_state",
+    "group_norms",
+    "group_of",
+    "update_ratios",
+)

@@ -59,16 +59,67 @@ def _scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.Grad
     return optax.GradientTransformation(inner.init, update_fn)
 
 
+def adam(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    *,
+    nesterov: bool = False,
+    amsgrad: str | None = None,
+    state_dtype: storage_lib.StateDtype = None,
+) -> optax.GradientTransformation:
+    r"""Adam without weight decay (Kingma & Ba, ICLR 2015).
+
+    .. math::
+
+        \theta_{t+1} = \theta_t - \eta_t\,\frac{\hat\mu_t}{\sqrt{\hat\nu_t}+\epsilon}
+
+    ``optax.adam``, bit for bit, with the same chain and state (``scale_by_adam`` → learning
+    rate); adds AMSGrad's conventions and ``state_dtype``. For decay use :func:`adamw`
+    (decoupled) or :func:`adam_l2` (coupled).
+
+    Args:
+      learning_rate: :math:`\eta_t \ge 0`, float, array or schedule.
+      b1, b2, eps, eps_root, mu_dtype, nesterov, amsgrad, state_dtype: see
+        :func:`~optax_decoupled.scale_by_adam`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import optax_decoupled as od
+      >>> params = {"w": jnp.ones(3)}
+      >>> tx, ref = od.adam(1e-2), optax.adam(1e-2)
+      >>> grads = {"w": jnp.array([0.1, -0.2, 0.3])}
+      >>> (u, _), (r, _) = tx.update(grads, tx.init(params)), ref.update(grads, ref.init(params))
+      >>> bool(jnp.all(u["w"] == r["w"]))
+      True
+
+    References:
+      Kingma & Ba, `Adam: A Method for Stochastic Optimization
+      <https://arxiv.org/abs/1412.6980>`_, ICLR 2015.
+    """
+    _check_lr(learning_rate)
+    scaling = transforms.scale_by_adam(
+        b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, amsgrad=amsgrad, state_dtype=state_dtype
+    )
+    return optax.chain(scaling, _scale_by_learning_rate(learning_rate))
+
+
 def adam_l2(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
     *,
     weight_decay: optax.ScalarOrSchedule,
+    nesterov: bool = False,
     amsgrad: str | None = None,
     mask: masks_lib.MaskArg = "auto",
-    eps_root: float = 0.0,
     state_dtype: storage_lib.StateDtype = None,
 ) -> optax.GradientTransformation:
     r"""Adam with **coupled** L2 regularisation (the gradient gets :math:`+\lambda\theta`).
@@ -89,7 +140,7 @@ def adam_l2(
 
     Args:
       learning_rate: :math:`\eta_t \ge 0`, float, array or schedule.
-      b1, b2, eps, eps_root: see :func:`~optax_decoupled.scale_by_adam`.
+      b1, b2, eps, eps_root, mu_dtype, nesterov: see :func:`~optax_decoupled.scale_by_adam`.
       weight_decay: :math:`\lambda \ge 0` (float, array or schedule). Required.
       amsgrad: ``None`` or an AMSGrad convention (``"pytorch"``, ``"optax"``, ``"paper"``).
       mask: which leaves are regularised (default ``"auto"``: weight matrices only).
@@ -115,9 +166,12 @@ def adam_l2(
         <https://arxiv.org/abs/1711.05101>`_, ICLR 2019.
     """
     _check_lr(learning_rate)
+    scaling = transforms.scale_by_adam(
+        b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, amsgrad=amsgrad, state_dtype=state_dtype
+    )
     return optax.chain(
         transforms.add_l2_gradient(weight_decay, mask=mask),
-        transforms.scale_by_adam(b1, b2, eps, eps_root, amsgrad=amsgrad, state_dtype=state_dtype),
+        scaling,
         _scale_by_learning_rate(learning_rate),
     )
 
@@ -127,13 +181,16 @@ def adamw(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    *,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
     weight_decay: optax.ScalarOrSchedule = 1e-2,
+    mask: masks_lib.MaskArg = "auto",
+    *,
+    nesterov: bool = False,
     amsgrad: str | None = None,
     decay_convention: str = "lr",
     peak_learning_rate: Any = None,
-    mask: masks_lib.MaskArg = "auto",
-    eps_root: float = 0.0,
+    cautious: bool = False,
     state_dtype: storage_lib.StateDtype = None,
 ) -> optax.GradientTransformation:
     r"""AdamW: Adam with **decoupled** weight decay (Loshchilov & Hutter, ICLR 2019).
@@ -148,16 +205,19 @@ def adamw(
     PyTorch and Optax), ``"schedule"`` :math:`\lambda\eta_t/\eta_{peak}` (the paper's Alg. 2),
     ``"constant"`` :math:`\lambda`, ``"corrected"`` :math:`\lambda\eta_t^2/\eta_{peak}`.
 
-    With ``mask=None`` and ``decay_convention="lr"`` this is ``torch.optim.AdamW`` (with
-    ``amsgrad="pytorch"``: ``AdamW(amsgrad=True)``) and ``optax.adamw`` for the same
-    hyperparameters; the results agree to float rounding (the decay is added after, not
-    before, the multiplication by :math:`-\eta_t`).
+    With ``mask=None`` and ``decay_convention="lr"`` this is ``optax.adamw`` for the same
+    hyperparameters, bit for bit, with the same state: the chain is Optax's,
+    ``scale_by_adam`` → ``add_l2_gradient`` (:math:`+\lambda\theta`) → learning rate, so a
+    checkpoint of one restores into the other. It is ``torch.optim.AdamW`` (with
+    ``amsgrad="pytorch"``: ``AdamW(amsgrad=True)``) to float rounding. The other conventions
+    apply :func:`~optax_decoupled.decoupled_weight_decay` after the learning rate. Defaults
+    that differ from ``optax.adamw``: ``weight_decay=1e-2`` (PyTorch's) and ``mask="auto"``.
 
     .. note:: the default ``mask="auto"`` differs from both: it decays weight matrices only.
 
     Args:
       learning_rate: :math:`\eta_t \ge 0`, float, array or schedule.
-      b1, b2, eps, eps_root: see :func:`~optax_decoupled.scale_by_adam`.
+      b1, b2, eps, eps_root, mu_dtype, nesterov: see :func:`~optax_decoupled.scale_by_adam`.
       weight_decay: :math:`\lambda \ge 0` (float, array or schedule).
       amsgrad: ``None`` or an AMSGrad convention (``"pytorch"``, ``"optax"``, ``"paper"``).
       decay_convention: ``"lr"``, ``"schedule"``, ``"constant"`` or ``"corrected"``.
@@ -185,15 +245,56 @@ def adamw(
     """
     _check_lr(learning_rate)
     V.check_choice("decay_convention", decay_convention, transforms.DECAY_CONVENTIONS)
+    scaling = transforms.scale_by_adam(
+        b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, amsgrad=amsgrad, state_dtype=state_dtype
+    )
+    return _with_decoupled_decay(
+        scaling,
+        learning_rate,
+        weight_decay,
+        decay_convention,
+        peak_learning_rate,
+        mask,
+        cautious=cautious,
+    )
+
+
+def _with_decoupled_decay(
+    scaling: optax.GradientTransformation,
+    learning_rate: optax.ScalarOrSchedule,
+    weight_decay: optax.ScalarOrSchedule,
+    convention: str,
+    peak_learning_rate: Any,
+    mask: masks_lib.MaskArg,
+    *,
+    cautious: bool = False,
+    keep_zero: bool = True,
+) -> optax.GradientTransformation:
+    """``scaling`` → decay → learning rate for ``"lr"`` (Optax's chain and state), ``scaling``
+    → learning rate → :func:`~optax_decoupled.decoupled_weight_decay` for the others. With
+    ``keep_zero=False`` a concrete zero decay is left out of the chain (``optax.amsgrad``'s
+    chain has none)."""
+    if not keep_zero and transforms._is_zero(weight_decay) and peak_learning_rate is None:
+        masks_lib.check_mask_arg(mask)
+        transforms._check_bool("cautious", cautious)
+        return optax.chain(scaling, _scale_by_learning_rate(learning_rate))
+    if convention == "lr":
+        if peak_learning_rate is not None:  # checked where the convention ignores it
+            transforms._resolve_peak(convention, learning_rate, peak_learning_rate)
+        decay = transforms._add_decayed_weights(
+            weight_decay, mask, "decoupled_weight_decay", cautious=cautious
+        )
+        return optax.chain(scaling, decay, _scale_by_learning_rate(learning_rate))
     return optax.chain(
-        transforms.scale_by_adam(b1, b2, eps, eps_root, amsgrad=amsgrad, state_dtype=state_dtype),
+        scaling,
         _scale_by_learning_rate(learning_rate),
         transforms.decoupled_weight_decay(
             weight_decay,
-            convention=decay_convention,
+            convention=convention,
             learning_rate=learning_rate,
             peak_learning_rate=peak_learning_rate,
             mask=mask,
+            cautious=cautious,
         ),
     )
 
@@ -203,6 +304,8 @@ def amsgrad(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
     *,
     variant: str = "pytorch",
     weight_decay: optax.ScalarOrSchedule = 0.0,
@@ -210,7 +313,7 @@ def amsgrad(
     decay_convention: str = "lr",
     peak_learning_rate: Any = None,
     mask: masks_lib.MaskArg = "auto",
-    eps_root: float = 0.0,
+    cautious: bool = False,
     state_dtype: storage_lib.StateDtype = None,
 ) -> optax.GradientTransformation:
     r"""AMSGrad (Reddi, Kale & Kumar, "On the Convergence of Adam and Beyond", ICLR 2018).
@@ -222,13 +325,13 @@ def amsgrad(
     ``"optax"`` (max of bias-corrected ν: ``optax.amsgrad``), ``"paper"`` (no bias
     correction). See :func:`~optax_decoupled.scale_by_adam` for the formulas.
 
-    ``weight_decay`` is decoupled (:func:`adamw`) unless ``coupled=True`` (:func:`adam_l2`).
-    With ``variant="optax"``, ``weight_decay=0`` and ``mask=None`` this equals
-    ``optax.amsgrad``.
+    ``weight_decay`` is decoupled (:func:`adamw`) unless ``coupled=True`` (:func:`adam_l2`);
+    a zero decay (the default) leaves the decay out of the chain. With ``variant="optax"``
+    and ``weight_decay=0`` this is ``optax.amsgrad``, bit for bit, with the same state.
 
     Args:
       learning_rate: :math:`\eta_t \ge 0`, float, array or schedule.
-      b1, b2, eps, eps_root: see :func:`~optax_decoupled.scale_by_adam`.
+      b1, b2, eps, eps_root, mu_dtype: see :func:`~optax_decoupled.scale_by_adam`.
       variant: where the running maximum of :math:`\nu` is taken: ``"pytorch"`` (default;
         max of the raw :math:`\nu_t`, then bias correction), ``"optax"`` (max of the
         bias-corrected :math:`\hat\nu_t`) or ``"paper"`` (max of the raw :math:`\nu_t`, no
@@ -246,6 +349,7 @@ def amsgrad(
         scheduled or injected learning rate; ignored (but checked) by ``"lr"`` and
         ``"constant"``; must be ``None`` with ``coupled=True``.
       mask: which leaves are decayed or regularised (default ``"auto"``).
+      cautious: cautious decoupled decay (see :func:`adamw`); not with ``coupled=True``.
       state_dtype: storage of the moments (:func:`~optax_decoupled.resolve_storage`).
 
     Examples:
@@ -272,6 +376,8 @@ def amsgrad(
     if not isinstance(coupled, bool):
         raise ValueError(f"`coupled` must be a bool, got {coupled!r}.")
     if coupled:
+        if cautious:
+            raise ValueError("`cautious` applies to decoupled decay only (coupled=False).")
         if decay_convention != "lr" or peak_learning_rate is not None:
             raise ValueError(
                 "`decay_convention`/`peak_learning_rate` apply to decoupled decay only; "
@@ -282,24 +388,27 @@ def amsgrad(
             b1,
             b2,
             eps,
+            eps_root,
+            mu_dtype,
             weight_decay=weight_decay,
             amsgrad=variant,
             mask=mask,
-            eps_root=eps_root,
             state_dtype=state_dtype,
         )
-    return adamw(
+    _check_lr(learning_rate)
+    V.check_choice("decay_convention", decay_convention, transforms.DECAY_CONVENTIONS)
+    scaling = transforms.scale_by_adam(
+        b1, b2, eps, eps_root, mu_dtype, amsgrad=variant, state_dtype=state_dtype
+    )
+    return _with_decoupled_decay(
+        scaling,
         learning_rate,
-        b1,
-        b2,
-        eps,
-        weight_decay=weight_decay,
-        amsgrad=variant,
-        decay_convention=decay_convention,
-        peak_learning_rate=peak_learning_rate,
-        mask=mask,
-        eps_root=eps_root,
-        state_dtype=state_dtype,
+        weight_decay,
+        decay_convention,
+        peak_learning_rate,
+        mask,
+        cautious=cautious,
+        keep_zero=False,
     )
 
 
@@ -307,11 +416,15 @@ def lion(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.99,
-    *,
+    mu_dtype: Any = None,
     weight_decay: optax.ScalarOrSchedule = 1e-3,
+    mask: masks_lib.MaskArg = "auto",
+    *,
+    mode: str = "hard",
+    smooth_beta: float | None = None,
     decay_convention: str = "lr",
     peak_learning_rate: Any = None,
-    mask: masks_lib.MaskArg = "auto",
+    cautious: bool = False,
     state_dtype: storage_lib.StateDtype = None,
 ) -> optax.GradientTransformation:
     r"""Lion with decoupled weight decay (Chen et al., NeurIPS 2023).
@@ -324,7 +437,7 @@ def lion(
 
     Rules of thumb from the paper: a learning rate 3-10x smaller than AdamW's and a weight
     decay 3-10x larger, so that :math:`\eta\lambda` stays similar. With ``mask=None`` and
-    ``decay_convention="lr"`` this is ``optax.lion`` (to float rounding).
+    ``decay_convention="lr"`` this is ``optax.lion``, bit for bit, with the same state.
 
     Args:
       learning_rate: :math:`\eta_t \ge 0`, float, array or schedule.
@@ -333,6 +446,8 @@ def lion(
         (2023), Alg. 2, and ``optax.lion``.
       b2: :math:`\beta_2 \in [0, 1)`, the decay rate of the momentum
         :math:`\mu_t = \beta_2\mu_{t-1} + (1-\beta_2)g_t`, updated after the sign is taken.
+      mu_dtype: the momentum's dtype, as ``optax.lion``'s.
+      mu_dtype: the momentum's dtype, as ``optax.lion``'s.
       weight_decay: :math:`\lambda \ge 0` (float, array or schedule), decoupled.
       decay_convention: ``"lr"``, ``"schedule"``, ``"constant"`` or ``"corrected"`` (see
         :func:`adamw`).
@@ -340,6 +455,10 @@ def lion(
         scheduled or injected learning rate; ignored (but checked) by ``"lr"`` and
         ``"constant"``.
       mask: which leaves are decayed (default ``"auto"``).
+      cautious: cautious weight decay; see :func:`adamw`.
+      mode, smooth_beta: the update's form; see :func:`~optax_decoupled.scale_by_lion`
+        (``smooth_beta=None`` is 1.0; ``None`` keeps it out of ``optax.inject_hyperparams``'s
+        state, which then has ``optax.lion``'s structure).
       state_dtype: storage of the momentum (:func:`~optax_decoupled.resolve_storage`).
 
     Examples:
@@ -359,14 +478,20 @@ def lion(
     """
     _check_lr(learning_rate)
     V.check_choice("decay_convention", decay_convention, transforms.DECAY_CONVENTIONS)
-    return optax.chain(
-        transforms.scale_by_lion(b1, b2, state_dtype=state_dtype),
-        _scale_by_learning_rate(learning_rate),
-        transforms.decoupled_weight_decay(
-            weight_decay,
-            convention=decay_convention,
-            learning_rate=learning_rate,
-            peak_learning_rate=peak_learning_rate,
-            mask=mask,
-        ),
+    scaling = transforms.scale_by_lion(
+        b1,
+        b2,
+        mu_dtype,
+        mode=mode,
+        smooth_beta=1.0 if smooth_beta is None else smooth_beta,
+        state_dtype=state_dtype,
+    )
+    return _with_decoupled_decay(
+        scaling,
+        learning_rate,
+        weight_decay,
+        decay_convention,
+        peak_learning_rate,
+        mask,
+        cautious=cautious,
     )

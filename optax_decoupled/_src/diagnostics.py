@@ -19,19 +19,27 @@ from optax_decoupled._src.transforms import (
     AMSGRAD_VARIANTS,
     DECAY_CONVENTIONS,
     ScaleByAdamState,
+    ScaleByAmsgradState,
     _decay_rate,
 )
 
+_ADAM_STATES = (ScaleByAdamState, ScaleByAmsgradState)
 
-def find_adam_state(opt_state: Any) -> ScaleByAdamState:
-    """The (first) :class:`ScaleByAdamState` inside a nested optimizer state."""
+
+def find_adam_state(opt_state: Any) -> Any:
+    """The (first) :class:`~optax_decoupled.ScaleByAdamState` or
+    :class:`~optax_decoupled.ScaleByAmsgradState` inside a nested optimizer state (Optax's
+    own classes, so an ``optax.adam`` state is found too)."""
     found = [
         s
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByAdamState))
-        if isinstance(s, ScaleByAdamState)
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, _ADAM_STATES))
+        if isinstance(s, _ADAM_STATES)
     ]
     if not found:
-        raise ValueError("the optimizer state holds no ScaleByAdamState (not an Adam variant).")
+        raise ValueError(
+            "the optimizer state holds no ScaleByAdamState or ScaleByAmsgradState (not an "
+            "Adam variant)."
+        )
     return found[0]
 
 
@@ -134,18 +142,19 @@ def effective_decay(
             lambda p, m: jnp.full(jnp.shape(p), s if m else 0.0, jnp.float32), params, decays
         )
     adam = find_adam_state(opt_state)
-    if adam.nu_max is not None and amsgrad is None:
+    nu_max = getattr(adam, "nu_max", None)
+    if nu_max is not None and amsgrad is None:
         raise ValueError(
             "effective_decay: the optimizer state holds AMSGrad's running maximum (nu_max), "
             "but `amsgrad` is None; pass the optimizer's AMSGrad convention "
             f"({', '.join(repr(v) for v in AMSGRAD_VARIANTS if v is not None)})."
         )
-    if adam.nu_max is None and amsgrad is not None:
+    if nu_max is None and amsgrad is not None:
         raise ValueError(
             f"effective_decay: `amsgrad` is {amsgrad!r} but the optimizer state is plain Adam "
             "(it holds no AMSGrad maximum nu_max); pass amsgrad=None."
         )
-    store = storage_lib.resolve_storage(state_dtype)
+    store = storage_lib.resolve_moment_storages(state_dtype, ("mu", "nu"))["nu"]
     # Leaves, not trees: under flax.nnx the parameters are Param variables and the state's
     # moments OptState variables, which jax.tree.map cannot pair.
     (count,) = jax.tree.leaves(adam.count)
@@ -153,7 +162,7 @@ def effective_decay(
     bc2 = 1.0 - b2 ** count.astype(jnp.float32)
     p_leaves, treedef = jax.tree.flatten(params)
     # (An nnx.Optimizer's state holds 8-bit moments as {codes, absmax} States after a step.)
-    nu_tree = restore_quantized(adam.nu if amsgrad is None else adam.nu_max, signed=False)
+    nu_tree = restore_quantized(adam.nu if amsgrad is None else nu_max, signed=False)
     nu_leaves = jax.tree.leaves(nu_tree, is_leaf=lambda x: isinstance(x, QuantizedArray))
     if len(nu_leaves) != len(p_leaves):
         raise ValueError(
@@ -217,3 +226,81 @@ def update_ratios(updates: Any, params: Any, tiny: float = 1e-12) -> dict[str, j
         un = jnp.linalg.norm(jnp.ravel(jnp.asarray(u, jnp.float32)))
         out[masks_lib.path_string(path)] = un / jnp.maximum(pn, tiny)
     return out
+
+
+def decay_in_force(
+    params: Any,
+    updates: Any,
+    *,
+    learning_rate: Any,
+    weight_decay: float,
+    convention: str = "lr",
+    peak_learning_rate: Any = None,
+    mask: masks_lib.MaskArg = "auto",
+    b1: float = 0.9,
+) -> dict[str, dict[str, jax.Array]]:
+    r"""The decoupled decay acting at a step, per parameter group of :func:`group_of`.
+
+    For each group of decayed leaves (the others have no decay in force):
+
+    * ``timescale``: :math:`\tau = 1/s_t` steps, the span of the exponential moving average
+      the weights are (Wang & Aitchison, ICML 2025; :func:`~optax_decoupled.decay_rate`);
+    * ``box``: :math:`\lambda\lVert\theta\rVert_\infty`; AdamW's iterates converge to the box
+      :math:`\lVert\theta\rVert_\infty \le 1/\lambda` (Xie & Li, ICML 2024), so a value near 1
+      means the box binds (meaningful for ``"lr"``, where :math:`\lambda` is the box's
+      inverse radius in units of the normalised step);
+    * ``update_ratio``: :math:`\lVert u\rVert_2/\lVert\theta\rVert_2` of the step ``updates``;
+    * ``equilibrium_ratio``: :math:`\sqrt{2 s_t (1-\beta_1)/(1+\beta_1)}`, the ratio at
+      which shrinking by :math:`s_t` balances the growth of :math:`\lVert\theta\rVert^2` by
+      steps of random direction smoothed by momentum :math:`\beta_1` (the rotational
+      equilibrium of Kosson et al., ICML 2024; :math:`\sqrt{2 s_t}` without momentum).
+
+    Args:
+      params: the parameters at the step.
+      updates: the step applied to them (what ``tx.update`` returned).
+      learning_rate: :math:`\eta_t` at the step (a number); ignored by ``"constant"``.
+      weight_decay: :math:`\lambda > 0`.
+      convention, peak_learning_rate: as :func:`~optax_decoupled.decoupled_weight_decay`.
+      mask: the optimizer's mask.
+      b1: the momentum :math:`\beta_1` of the optimizer's direction (Adam's and Lion's
+        first-moment rate; 0 for none).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_decoupled as od
+      >>> params = {"w": jnp.full((4, 4), 2.0), "b": jnp.ones(4)}
+      >>> updates = {"w": jnp.full((4, 4), -1e-3), "b": jnp.zeros(4)}
+      >>> d = od.diagnostics.decay_in_force(params, updates, learning_rate=1e-3, weight_decay=0.1)
+      >>> print(sorted(d), f"{d['decayed']['timescale']:.0f} {d['decayed']['box']:.2f}")
+      ['decayed'] 10000 0.20
+    """
+    V.check_not_schedule("weight_decay", weight_decay)
+    V.check_positive("weight_decay", weight_decay)
+    V.check_choice("convention", convention, DECAY_CONVENTIONS)
+    V.check_beta("b1", b1)
+    lr = None if convention == "constant" else learning_rate
+    s = _decay_rate(weight_decay, convention, lr, peak_learning_rate)
+    decays = masks_lib.resolve_mask(mask, params)
+    groups: dict[str, dict[str, Any]] = {}
+    p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, p), u, m in zip(
+        p_leaves, jax.tree.leaves(updates), jax.tree.leaves(decays), strict=True
+    ):
+        if not m:
+            continue
+        g = group_of(masks_lib.path_components(path), jnp.ndim(p))
+        acc = groups.setdefault(g, {"p2": 0.0, "u2": 0.0, "inf": 0.0})
+        p32, u32 = jnp.abs(jnp.asarray(p, jnp.float32)), jnp.abs(jnp.asarray(u, jnp.float32))
+        acc["p2"] = acc["p2"] + jnp.sum(p32 * p32)
+        acc["u2"] = acc["u2"] + jnp.sum(u32 * u32)
+        acc["inf"] = jnp.maximum(acc["inf"], jnp.max(p32, initial=0.0))
+    s = jnp.asarray(s, jnp.float32)
+    return {
+        g: {
+            "timescale": 1.0 / s,
+            "box": weight_decay * acc["inf"],
+            "update_ratio": jnp.sqrt(acc["u2"]) / jnp.maximum(jnp.sqrt(acc["p2"]), 1e-12),
+            "equilibrium_ratio": jnp.sqrt(2.0 * s * (1.0 - b1) / (1.0 + b1)),
+        }
+        for g, acc in sorted(groups.items())
+    }

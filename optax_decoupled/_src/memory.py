@@ -256,7 +256,7 @@ def training_memory(
       >>> params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)}  # never allocated
       >>> m = od.contrib.training_memory(params, od.adamw(1e-3, state_dtype="int8"))
       >>> m["num_params"], m["weights"], m["optimizer_state"]
-      (16777216, 33554432, 34078728)
+      (16777216, 33554432, 34078724)
     """
     weights_dtype = None if weights_dtype is None else np.dtype(weights_dtype)
     grads_dtype = weights_dtype if grads_dtype is None else np.dtype(grads_dtype)

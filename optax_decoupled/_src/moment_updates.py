@@ -15,6 +15,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+
+
+def abs_sq(x: jax.Array) -> jax.Array:
+    """:math:`|x|^2`, real: ``x * x`` for a real ``x``, ``(conj(x) x).real`` for a complex one
+    (the second moment of a complex gradient, as Optax defines it)."""
+    if jnp.iscomplexobj(x):
+        return (x.conj() * x).real
+    return x * x
+
+
+def bias_correction(moment: jax.Array, decay: Any, count: Any) -> jax.Array:
+    r""":math:`m / (1 - \beta^t)`, computed in ``moment``'s dtype: Optax's own
+    ``optax.tree.bias_correction`` (one compiled function), so that an update computed eagerly
+    matches Optax's to the bit."""
+    return optax.tree.bias_correction(moment, decay, count)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -23,44 +39,46 @@ class EmaMoments:
 
     .. math::
 
-        m'_k = (1 - \beta_k)\, g^{p_k} + \beta_k\, m_k, \qquad
-        m'_{max} = \max\!\big(m_{max},\; m'_2 / d\big)
+        m'_k = (1 - \beta_k)\, s_k(g) + \beta_k\, m_k, \qquad
+        m'_{max} = \max\!\big(m_{max},\; c(m'_n)\big)
 
-    with :math:`p_k \in \{1, 2\}` and the running maximum (AMSGrad's :math:`\nu^{max}`) over
-    the second moment divided by ``max_divisor`` :math:`d` (``None``: no division). Adam:
+    with :math:`s_k(g) = g` (power 1) or :math:`|g|^2` (power 2), and the running maximum
+    (AMSGrad's :math:`\nu^{max}`) over the last averaged moment, bias-corrected first
+    (:math:`c(m) = m/(1-\beta^t)`) when ``max_correction = (β, t)`` is given. Adam:
     ``EmaMoments((b1, b2), (1, 2))``; AMSGrad adds ``running_max=True``; Lion:
-    ``EmaMoments((b2,), (1,))``. Coefficients may be Python floats or traced scalars
-    (``optax.inject_hyperparams``).
+    ``EmaMoments((b2,), (1,))``. Coefficients may be Python floats or (traced) arrays.
 
     Attributes:
       decays: :math:`\beta_k`, one per averaged moment (one or two).
-      powers: :math:`p_k`, ``1`` (the gradient) or ``2`` (its square), one per decay.
-      running_max: whether a last moment keeps the running maximum of :math:`m'_2`.
-      max_divisor: :math:`d` (e.g. the bias correction :math:`1-\beta_2^t`), or ``None``.
+      powers: :math:`p_k`, ``1`` (the gradient) or ``2`` (its squared modulus), one per decay.
+      running_max: whether a last moment keeps the running maximum of :math:`m'_n`.
+      max_correction: ``(decay, count)`` of the bias correction applied before the maximum,
+        or ``None``.
     """
 
     decays: tuple[Any, ...]
     powers: tuple[int, ...]
     running_max: bool = False
-    max_divisor: Any = None
+    max_correction: tuple[Any, Any] | None = None
 
     def __post_init__(self):
         if len(self.decays) != len(self.powers) or not 1 <= len(self.decays) <= 2:
             raise ValueError("`decays` and `powers` must have one or two entries each.")
         if any(p not in (1, 2) for p in self.powers):
             raise ValueError(f"`powers` must be 1 or 2, got {self.powers!r}.")
-        if self.running_max and len(self.decays) != 2:
-            raise ValueError("`running_max` needs two averaged moments (it follows the second).")
 
     def split_dynamic(self) -> tuple[tuple[jax.Array, ...], Any]:
         """``(arrays, rebuild)``: the coefficients that are arrays (traced or not), and a
         function that returns this update with them replaced by the given values. Python
-        numbers stay in place (so ``1 - beta`` is still computed in Python, as before)."""
-        values = (*self.decays, self.max_divisor)
-        return _split(
-            values,
-            lambda v: dataclasses.replace(self, decays=tuple(v[:-1]), max_divisor=v[-1]),
-        )
+        numbers stay in place (so ``1 - beta`` is still computed in Python)."""
+        n = len(self.decays)
+        values = (*self.decays, *(self.max_correction or ()))
+
+        def rebuild(v):
+            correction = tuple(v[n:]) if self.max_correction is not None else None
+            return dataclasses.replace(self, decays=tuple(v[:n]), max_correction=correction)
+
+        return _split(values, rebuild)
 
     @property
     def num_stored(self) -> int:
@@ -75,16 +93,15 @@ class EmaMoments:
         # under float32 gradients: float32 arithmetic); the storage casts back when writing.
         dtype = jnp.promote_types(stored[0].dtype, g.dtype)
         gc = g.astype(dtype)
-        stored = [m.astype(dtype) for m in stored]
         new = []
         for beta, power, m in zip(self.decays, self.powers, stored, strict=False):
-            source = gc if power == 1 else gc * gc
-            new.append((1 - beta) * source + beta * m)
+            source = gc if power == 1 else abs_sq(gc)
+            new.append((1 - beta) * source + beta * m.astype(dtype))
         if self.running_max:
-            seen = new[1]
-            if self.max_divisor is not None:
-                seen = seen / jnp.asarray(self.max_divisor).astype(seen.dtype)
-            new.append(jnp.maximum(stored[-1], seen))
+            seen = new[-1]
+            if self.max_correction is not None:
+                seen = bias_correction(seen, *self.max_correction)
+            new.append(jnp.maximum(stored[-1].astype(dtype), seen))
         return tuple(new)
 
 
@@ -108,71 +125,22 @@ def _split(values: tuple[Any, ...], rebuild_from: Any) -> tuple[tuple[jax.Array,
     return arrays, rebuild
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class AdamDirection:
-    r"""Adam's output from its new moments, ``(new, old, g) -> u``, element-wise:
-
-    .. math::
-
-        u = \frac{n}{\sqrt{d + \epsilon_{root}} + \epsilon}, \qquad
-        n = \mu_t \text{ or } \mu_t / (1-\beta_1^t), \qquad
-        d = \nu_t / (1-\beta_2^t),\ \nu^{max}_t / (1-\beta_2^t) \text{ or } \nu^{max}_t
-
-    by ``amsgrad`` convention, as :func:`optax_decoupled.scale_by_adam` documents (``None``,
-    ``"pytorch"``, ``"optax"``, ``"paper"``). ``bc1``, ``bc2`` are the bias corrections
-    :math:`1-\beta_k^t`. A storage may compute it in the same pass as the moments
-    (:func:`optax_decoupled._src.storage.update_moments_and_output`).
-    """
-
-    bc1: Any
-    bc2: Any
-    eps: Any
-    eps_root: Any
-    amsgrad: str | None = None
-
-    @property
-    def scales_numerator(self) -> bool:
-        return self.amsgrad != "paper"
-
-    @property
-    def denominator(self) -> int:
-        """Which new moment the denominator is: 1 (:math:`\\nu`) or 2 (:math:`\\nu^{max}`)."""
-        return 1 if self.amsgrad is None else 2
-
-    @property
-    def scales_denominator(self) -> bool:
-        return self.amsgrad in (None, "pytorch")
-
-    def split_dynamic(self) -> tuple[tuple[jax.Array, ...], Any]:
-        """As :meth:`EmaMoments.split_dynamic`."""
-        values = (self.bc1, self.bc2, self.eps, self.eps_root)
-        names = ("bc1", "bc2", "eps", "eps_root")
-        return _split(
-            values, lambda v: dataclasses.replace(self, **dict(zip(names, v, strict=True)))
-        )
-
-    def __call__(self, new: tuple[jax.Array, ...], old: tuple[jax.Array, ...], g: jax.Array):
-        mu, den = new[0], new[self.denominator]
-        if self.scales_denominator:
-            den = den / jnp.asarray(self.bc2).astype(den.dtype)
-        numer = mu / jnp.asarray(self.bc1).astype(mu.dtype) if self.scales_numerator else mu
-        return (numer / (jnp.sqrt(den + self.eps_root) + self.eps)).astype(g.dtype)
+#: Lion's update modes (``optax.scale_by_lion``'s ``mode``).
+LION_MODES = ("hard", "smooth", "refined")
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class LionDirection:
-    r"""Lion's output from its old momentum, ``(new, old, g) -> u``, element-wise:
-    :math:`u = \operatorname{sign}((1-\beta_1) g + \beta_1 \mu_{t-1})`
-    (:func:`optax_decoupled.scale_by_lion`)."""
-
-    b1: Any
-
-    def split_dynamic(self) -> tuple[tuple[jax.Array, ...], Any]:
-        """As :meth:`EmaMoments.split_dynamic`."""
-        return _split((self.b1,), lambda v: LionDirection(v[0]))
-
-    def __call__(self, new: tuple[jax.Array, ...], old: tuple[jax.Array, ...], g: jax.Array):
-        mu = old[0]
-        dt = jnp.promote_types(mu.dtype, g.dtype)  # bf16 momentum, f32 gradient: f32
-        b1 = self.b1
-        return jnp.sign((1 - b1) * g.astype(dt) + b1 * mu.astype(dt)).astype(g.dtype)
+def lion_direction(g: jax.Array, mu: jax.Array, b1: Any, mode: str, smooth_beta: Any) -> jax.Array:
+    r"""Lion's output from the gradient and the *old* momentum, element-wise, with
+    :math:`x = (1-\beta_1) g + \beta_1 \mu_{t-1}`: ``"hard"`` :math:`\operatorname{sign}(x)`
+    (Chen et al. 2023), ``"smooth"`` :math:`\tanh(\beta_s x)`, ``"refined"`` :math:`x` where
+    :math:`|x| < 1`, else :math:`\operatorname{sign}(x)`; in the promoted dtype, returned in
+    the gradient's (``optax.scale_by_lion``'s modes and operations)."""
+    dt = jnp.promote_types(mu.dtype, jnp.result_type(g))  # bf16 momentum, f32 gradient: f32
+    x = (1.0 - b1) * jnp.asarray(g).astype(dt) + b1 * mu.astype(dt)
+    if mode == "smooth":
+        u = jnp.tanh(smooth_beta * x)
+    elif mode == "refined":
+        u = jnp.where(jnp.abs(x) < 1.0, x, jnp.sign(x))
+    else:
+        u = jnp.sign(x)
+    return u.astype(jnp.result_type(g))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import jax
@@ -65,8 +66,7 @@ def update_moments(
     :func:`optax_decoupled._src.quantization.requantize`);
     for any other the result is exactly the read-compute-write above, which XLA fuses.
 
-    With ``return_old`` the result is ``(new, stored)``: the old moments, from which a
-    transform computes its output (:func:`update_moments_and_output`).
+    With ``return_old`` the result is ``(new, stored)``.
 
     ``step`` (the transform's step count, an int32 scalar) seeds storages that round
     stochastically (``needs_step``, e.g. ``FloatStorage(..., rounding="stochastic")``),
@@ -89,34 +89,27 @@ def _require_step(store: Any, step: Any) -> None:
         )
 
 
-def update_moments_and_output(
+def store_moments(
     store: MomentStorage,
     fn: Any,
-    output: Any,
     stored: tuple[Any, ...],
+    new: tuple[jax.Array, ...],
     g: jax.Array,
     *,
     signed: tuple[bool, ...],
     step: jax.Array | None = None,
-) -> tuple[tuple[Any, ...], jax.Array]:
-    """``(new stored moments, u)``: :func:`update_moments` of ``fn`` with the gradient ``g``
-    as its operand, and the transform's output ``u = output(new, old, g)`` from the new
-    moments' values ``new = fn(*old, g)`` before they are stored and the old ones ``old =
-    read(stored)`` (e.g. :class:`~optax_decoupled._src.moment_updates.AdamDirection`).
+) -> tuple[Any, ...]:
+    """The stored form of the new moments ``new = fn(*read(stored), g)``.
 
-    ``u`` is computed from the values the new moments had before they were written, so it
-    does not see the storage's rounding; XLA fuses it into the rest of the step.
+    A storage that rounds plainly writes ``new`` itself (``write(v, like=stored moment)``), so
+    the stored moments are the values the transform computed its output from. One that
+    updates in a pass of its own (``fused_update``: 8-bit storage's chunked requantization,
+    stochastic rounding seeded by ``step``) runs :func:`update_moments` of the element-wise
+    ``fn`` instead (the same values up to float rounding).
     """
-    written, old = update_moments(
-        store, fn, stored, (g,), like=g, signed=signed, return_old=True, step=step
-    )
-    return written, _output_from(store, fn, output, old, g)
-
-
-def _output_from(store, fn, output, old, g):
-    """``output(fn(*old_values, g), old_values, g)`` for the stored moments ``old``."""
-    old_values = tuple(store.read(s, g) for s in old)
-    return output(fn(*old_values, g), old_values, g)
+    if getattr(store, "fused_update", False):
+        return update_moments(store, fn, stored, (g,), like=g, signed=signed, step=step)
+    return tuple(store.write(v, s, signed=sg) for v, s, sg in zip(new, stored, signed, strict=True))
 
 
 def narrow(value: jax.Array, dtype: Any) -> jax.Array:
@@ -172,13 +165,16 @@ class ParamDtypeStorage:
     gradient's dtype: the update is computed in the promoted dtype, as ``jnp`` promotes,
     and cast back (so a float32 moment of a float32 parameter stays float32 under bfloat16
     gradients, and the state's types never change between steps, which ``jax.lax.scan``
-    and ``jit``'s cache need)."""
+    and ``jit``'s cache need). With ``dtype``, the moments are created in that dtype instead
+    and kept in it the same way: Optax's ``mu_dtype``, computed in the promoted dtype and cast
+    on write (no float32 floor, unlike :class:`FloatStorage`)."""
 
     name: str = "param"
+    dtype: Any = None
 
     def init(self, param: jax.Array, signed: bool) -> jax.Array:
         del signed
-        return jnp.zeros_like(param)
+        return jnp.zeros_like(param, dtype=self.dtype)
 
     def read(self, stored: jax.Array, like: jax.Array) -> jax.Array:
         del like
@@ -326,6 +322,12 @@ class FloatStorage:
         """Whether :func:`update_moments` must pass the step count (stochastic rounding)."""
         return self.rounding == "stochastic"
 
+    @property
+    def fused_update(self) -> bool:
+        """Whether :func:`store_moments` runs :meth:`update` (stochastic rounding) rather
+        than :meth:`write`."""
+        return self.needs_step
+
     def init(self, param: jax.Array, signed: bool) -> jax.Array:
         del signed
         return jnp.zeros_like(param, dtype=self.dtype)  # keeps a concrete param's sharding
@@ -394,6 +396,8 @@ class BlockwiseInt8Storage:
     block_size: int = quant_lib.DEFAULT_BLOCK_SIZE
     min_size: int = 4096
     name: str = "int8"
+    #: :func:`store_moments` runs :meth:`update` (the chunked requantization).
+    fused_update = True
 
     def __post_init__(self):
         quant_lib._check_block_size(self.block_size)
@@ -555,6 +559,76 @@ def resolve_storage(state_dtype: StateDtype, *, argument: str = "state_dtype") -
             f"{state_dtype!r}."
         )
     return FloatStorage(dtype=jnp.dtype(name), name=name)
+
+
+def resolve_moment_storages(
+    state_dtype: Any,
+    moments: tuple[str, ...],
+    *,
+    mu_dtype: Any = None,
+    argument: str = "state_dtype",
+) -> dict[str, MomentStorage]:
+    """The storage of each moment in ``moments`` (e.g. ``("mu", "nu")``).
+
+    ``state_dtype`` is one specification for all of them (see :func:`resolve_storage`) or a
+    mapping from moment names to specifications; moments it does not name keep the
+    parameter dtype (``None``). AMSGrad's ``nu_max`` is kept like ``nu``. ``mu_dtype`` is
+    Optax's argument: the first moment created and kept in that dtype (computed in the
+    promoted dtype, cast on write); it cannot be combined with a ``state_dtype`` for ``mu``.
+    Moments given equal specifications share one storage object, which then updates them
+    together.
+
+    Raises:
+      ValueError: naming ``argument`` (or ``mu_dtype``) for an unknown moment name, a
+        specification that is not accepted, or ``mu`` given twice.
+    """
+    if isinstance(state_dtype, Mapping):
+        unknown = sorted(set(state_dtype) - set(moments))
+        if unknown:
+            raise ValueError(
+                f"`{argument}` names moments {unknown}; this transform keeps {list(moments)}."
+            )
+        specs = {m: state_dtype.get(m) for m in moments}
+    else:
+        specs = {m: state_dtype for m in moments}
+    if mu_dtype is not None:
+        if specs.get("mu") is not None:
+            raise ValueError(
+                f"`mu_dtype` and `{argument}` both set the first moment's storage: give one."
+            )
+        try:
+            dtype = jnp.dtype(mu_dtype)
+        except TypeError:
+            raise ValueError(f"`mu_dtype` must be a dtype, got {mu_dtype!r}.") from None
+        specs["mu"] = ParamDtypeStorage(dtype=dtype)
+    stores: dict[str, MomentStorage] = {}
+    for name, spec in specs.items():
+        # Equal specifications share one storage object, so their moments update together.
+        shared = next((stores[k] for k in stores if _same(specs[k], spec)), None)
+        stores[name] = shared if shared is not None else resolve_storage(spec, argument=argument)
+    return stores
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a is b or a == b)
+    except (TypeError, ValueError):
+        return False
+
+
+def check_complex_support(store: MomentStorage, params: Any, argument: str) -> None:
+    """Complex parameters need moments in their own dtype, or in Optax's ``mu_dtype``
+    (cast as Optax casts): other storages raise a ``ValueError`` naming ``argument`` and the
+    leaf."""
+    if isinstance(store, ParamDtypeStorage):
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.complexfloating):
+            raise ValueError(
+                f"`{argument}`={getattr(store, 'name', store)!r} cannot keep the moments of the "
+                f"complex parameter {jax.tree_util.keystr(path)}: complex parameters need "
+                "state_dtype=None (moments in the parameter's own dtype)."
+            )
 
 
 def storage_tree_map(fn, params: Any, *stored_trees: Any) -> Any:

@@ -20,7 +20,7 @@ from optax_decoupled._src import masks as masks_lib
 from optax_decoupled._src import quantization as quant_lib
 from optax_decoupled._src import storage as storage_lib
 from optax_decoupled._src import validation as V
-from optax_decoupled._src.moment_updates import AdamDirection, EmaMoments, LionDirection
+from optax_decoupled._src.moment_updates import LION_MODES, EmaMoments, lion_direction
 
 #: Weight-decay conventions of :func:`decoupled_weight_decay`.
 DECAY_CONVENTIONS = ("lr", "schedule", "constant", "corrected")
@@ -39,21 +39,27 @@ def _at(name: str, value: Any, count: jax.Array) -> Any:
     return value_t
 
 
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be a bool, got {value!r}.")
+
+
 def _check_hyperparam(name: str, value: Any, check=V.check_non_negative) -> None:
     if not callable(value):
         check(name, value)
 
 
-def _map_unzip(fn, tree: Any, *rest: Any) -> list[Any]:
-    """``jax.tree.map`` of a tuple-returning ``fn``, unzipped into one tree per output.
+def _map_unzip(fn, n_out: int, tree: Any, *rest: Any) -> list[Any]:
+    """``jax.tree.map`` of ``fn`` returning ``n_out`` values per leaf, unzipped into one tree
+    per output (``n_out`` empty trees for a tree without leaves, e.g. every leaf masked out
+    by ``optax.masked``).
 
     ``tree`` (the updates) gives the structure; ``rest`` may hold deeper subtrees per leaf
     (stored moments).
     """
     treedef = jax.tree.structure(tree)
     parts = treedef.flatten_up_to(jax.tree.map(fn, tree, *rest))
-    n = len(parts[0]) if parts else len(rest) + 1
-    return [treedef.unflatten([p[i] for p in parts]) for i in range(n)]
+    return [treedef.unflatten([p[i] for p in parts]) for i in range(n_out)]
 
 
 def _restore_quantized_moments(state: Any, unsigned: tuple[str, ...]) -> Any:
@@ -126,6 +132,14 @@ def _decayed(updates: Any, decays: Any) -> Any:
     return jax.tree.map(lambda u, m: u if m else None, updates, decays)
 
 
+def _cautious(direction: jax.Array, param: jax.Array) -> jax.Array:
+    r"""Chen et al.'s cautious selection :math:`\mathbb{1}[u \odot \theta \ge 0]`: the
+    coordinates where the optimizer's direction :math:`u` (the step is :math:`-\eta u`) and
+    the parameter have the same sign, or either is zero (the real part of
+    :math:`u\bar\theta` for complex ones)."""
+    return (jnp.real(direction * jnp.conj(param)) >= 0).astype(jnp.result_type(param))
+
+
 def _require_params(params: Any, name: str) -> None:
     if params is None:
         raise ValueError(
@@ -136,12 +150,6 @@ def _require_params(params: Any, name: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Coupled L2
 # ---------------------------------------------------------------------------------------------
-
-
-class AddL2GradientState(NamedTuple):
-    """State of :func:`add_l2_gradient`: the step count (for a weight-decay schedule)."""
-
-    count: chex.Array
 
 
 def add_l2_gradient(
@@ -162,8 +170,13 @@ def add_l2_gradient(
     Regularization", ICLR 2019, Sec. 2). With plain SGD it equals decoupled decay with
     :math:`\lambda' = \lambda`.
 
-    Optax: ``optax.add_decayed_weights(λ, mask)`` computes the same sum; this transform adds the
-    ``"auto"`` mask, schedule support through its own step count, and argument checks.
+    Placed *after* the adaptive scaling and before the learning rate, the same sum is the
+    decoupled decay of the ``"lr"`` convention, :math:`-\eta_t(u_t + \lambda\theta_t)`: that is
+    how :func:`~optax_decoupled.adamw` and ``optax.adamw`` chain it.
+
+    With ``mask=None`` this is ``optax.add_decayed_weights(λ)``: the same sum and the same
+    state (``optax.EmptyState()``, or Optax's step count for a schedule); the default mask
+    is ``"auto"``, and the arguments are checked.
 
     Args:
       weight_decay: :math:`\lambda \ge 0`, a float, an array or a schedule of the step count
@@ -171,7 +184,8 @@ def add_l2_gradient(
       mask: which leaves are regularised; see :func:`~optax_decoupled.resolve_mask`.
 
     Returns:
-      An :class:`optax.GradientTransformation` whose ``update`` needs ``params``.
+      An :class:`optax.GradientTransformation` whose ``update`` needs ``params`` (unless
+      ``weight_decay`` is a concrete zero).
 
     Examples:
       >>> import optax
@@ -188,32 +202,61 @@ def add_l2_gradient(
       Loshchilov & Hutter, `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, ICLR 2019.
     """
+    return _add_decayed_weights(weight_decay, mask, "add_l2_gradient")
+
+
+def _is_zero(value: Any) -> bool:
+    """A concrete Python or NumPy zero (not an array, a schedule or a traced value)."""
+    return isinstance(value, int | float | np.number) and not isinstance(value, bool) and value == 0
+
+
+def _add_decayed_weights(
+    weight_decay: optax.ScalarOrSchedule,
+    mask: masks_lib.MaskArg,
+    who: str,
+    *,
+    cautious: bool = False,
+) -> optax.GradientTransformation:
+    r""":math:`g + \lambda_t\theta` on the leaves ``mask`` selects, with the state of
+    ``optax.add_decayed_weights(weight_decay)`` (``optax.EmptyState()``, or Optax's step count
+    for a schedule), so that a chain holding it has Optax's state structure. A concrete zero
+    ``weight_decay`` leaves the updates as they are and does not need ``params``. With
+    ``cautious``, :math:`g + \lambda_t \mathbb{1}[g \odot \theta \ge 0]\,\theta`, ``g`` being
+    the optimizer's direction (this transform sits before the learning rate)."""
     _check_hyperparam("weight_decay", weight_decay)
     masks_lib.check_mask_arg(mask)
+    _check_bool("cautious", cautious)
+    optax_state = optax.add_decayed_weights(weight_decay).init
+    scheduled = callable(weight_decay)
 
     def init_fn(params):
-        V.check_param_dtypes(params, "add_l2_gradient")
+        V.check_param_dtypes(params, who)
         if not masks_lib.is_params_placeholder(params):  # the state does not depend on it
             decays = masks_lib.resolve_mask(mask, params)
-            masks_lib.warn_if_auto_decays_nothing(mask, decays, weight_decay, "add_l2_gradient")
-        return AddL2GradientState(count=jnp.zeros([], jnp.int32))
+            masks_lib.warn_if_auto_decays_nothing(mask, decays, weight_decay, who)
+        return optax_state(params)
 
     def update_fn(updates, state, params=None):
-        V.check_update_dtypes(updates, "add_l2_gradient")
-        _require_params(params, "add_l2_gradient")
-        _check_shapes(updates, params, "add_l2_gradient", "parameter")
-        wd = _at("weight_decay", weight_decay, state.count)
+        V.check_update_dtypes(updates, who)
+        new_state = state._replace(count=optax.safe_increment(state.count)) if scheduled else state
+        if _is_zero(weight_decay):
+            return updates, new_state
+        _require_params(params, who)
+        _check_shapes(updates, params, who, "parameter")
+        wd = _at("weight_decay", weight_decay, state.count) if scheduled else weight_decay
         decays = masks_lib.resolve_mask(mask, params)
-        check_hyperparameter_shapes(
-            "add_l2_gradient", {"weight_decay": wd}, _decayed(updates, decays)
-        )
+        check_hyperparameter_shapes(who, {"weight_decay": wd}, _decayed(updates, decays))
+        if cautious:
+            add = lambda g, p: g + wd * (_cautious(g, p) * p)  # noqa: E731
+        else:
+            add = lambda g, p: g + wd * p  # noqa: E731
         updates = jax.tree.map(
-            lambda g, p, m: (g + wd * p).astype(jnp.result_type(g)) if m else g,
+            lambda g, p, m: add(g, p).astype(jnp.result_type(g)) if m else g,
             updates,
             params,
             decays,
         )
-        return updates, AddL2GradientState(count=optax.safe_increment(state.count))
+        return updates, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -335,6 +378,7 @@ def decoupled_weight_decay(
     learning_rate: optax.ScalarOrSchedule | None = None,
     peak_learning_rate: Any = None,
     mask: masks_lib.MaskArg = "auto",
+    cautious: bool = False,
 ) -> optax.GradientTransformation:
     r"""Decoupled weight decay, applied to the final update (after the learning rate).
 
@@ -370,6 +414,11 @@ def decoupled_weight_decay(
         ``"lr"`` and ``"constant"`` ignore it, but a given value is still checked (> 0, finite),
         so one set of arguments can be passed to every convention.
       mask: which leaves are decayed; see :func:`~optax_decoupled.resolve_mask`.
+      cautious: decay only the coordinates where the step and the parameter point the same
+        way, :math:`u_t \leftarrow u_t - s_t\,\mathbb{1}[u_t \odot \theta_t \le 0]\,
+        \theta_t` (the step :math:`u_t = -\eta_t d_t` moves against the direction
+        :math:`d_t`, so this is :math:`\mathbb{1}[d_t \odot \theta_t \ge 0]`; Chen et al.,
+        "Cautious Weight Decay", 2025). Every convention; default ``False``.
 
     Raises:
       ValueError: for a negative ``weight_decay``, an unknown ``convention``, a missing
@@ -398,6 +447,7 @@ def decoupled_weight_decay(
     V.check_choice("convention", convention, DECAY_CONVENTIONS)
     _check_hyperparam("weight_decay", weight_decay)
     masks_lib.check_mask_arg(mask)
+    _check_bool("cautious", cautious)
     if convention != "constant":
         if learning_rate is None:
             raise ValueError(
@@ -431,8 +481,12 @@ def decoupled_weight_decay(
             _decayed(updates, decays),
         )
         s = _decay_rate(wd_t, convention, lr_t, peak)  # the values are checked: _at, _resolve_peak
+        if cautious:  # the step is -η d: same sign as the direction d where u·θ <= 0
+            shrink = lambda u, p: u - s * (_cautious(-u, p) * p)  # noqa: E731
+        else:
+            shrink = lambda u, p: u - s * p  # noqa: E731
         updates = jax.tree.map(
-            lambda u, p, m: (u - s * p).astype(jnp.result_type(u)) if m else u,
+            lambda u, p, m: shrink(u, p).astype(jnp.result_type(u)) if m else u,
             updates,
             params,
             decays,
@@ -447,21 +501,72 @@ def decoupled_weight_decay(
 # ---------------------------------------------------------------------------------------------
 
 
-class ScaleByAdamState(NamedTuple):
-    """State of :func:`scale_by_adam`.
+#: State of :func:`scale_by_adam` (Optax's own class): ``count``, ``mu``, ``nu``.
+ScaleByAdamState = optax.ScaleByAdamState
+#: State of :func:`scale_by_adam` with an AMSGrad convention (Optax's own class): ``count``,
+#: ``mu``, ``nu`` and the running maximum ``nu_max``.
+ScaleByAmsgradState = optax.ScaleByAmsgradState
+#: State of :func:`scale_by_lion` (Optax's own class): ``count`` and the momentum ``mu``.
+ScaleByLionState = optax.ScaleByLionState
 
-    Attributes:
-      count: steps taken so far (int32).
-      mu: first moment, stored as ``state_dtype`` says.
-      nu: second moment.
-      nu_max: AMSGrad's running maximum (raw or bias-corrected per ``amsgrad``); ``None`` for
-        plain Adam.
-    """
 
-    count: chex.Array
-    mu: optax.Updates
-    nu: optax.Updates
-    nu_max: optax.Updates | None
+def _moment_storages(state_dtype: Any, mu_dtype: Any, moments: tuple[str, ...]) -> dict:
+    return storage_lib.resolve_moment_storages(state_dtype, moments, mu_dtype=mu_dtype)
+
+
+def _init_moments(stores: dict, params: Any, signed: dict[str, bool], who: str) -> dict:
+    V.check_param_dtypes(params, who)
+    for store in stores.values():
+        storage_lib.check_complex_support(store, params, "state_dtype")
+    return {
+        name: jax.tree.map(lambda p, st=store, sg=signed[name]: st.init(p, signed=sg), params)
+        for name, store in stores.items()
+    }
+
+
+def _read(store: Any, stored: Any, updates: Any) -> Any:
+    """The moment tree ``stored`` as values, in ``promote_types(storage, gradient)``."""
+    return jax.tree.map(lambda g, st: store.read(st, jnp.asarray(g)), updates, stored)
+
+
+def _promoted(updates: Any, moments: Any) -> Any:
+    """The gradients in each moment's compute dtype (a no-op where they already are), so
+    that e.g. a bfloat16 gradient is squared in float32 for float32 moments."""
+    return jax.tree.map(
+        lambda g, m: jnp.asarray(g).astype(jnp.promote_types(m.dtype, jnp.result_type(g))),
+        updates,
+        moments,
+    )
+
+
+def _store(
+    stores: dict, fns: dict, stored: dict, new: dict, updates: Any, signed: dict, count: Any
+) -> dict:
+    """The stored form of every new moment, one :func:`~optax_decoupled._src.storage.
+    store_moments` per run of moments that share a storage (``fns`` maps each run to its
+    element-wise update)."""
+    names, out = list(stored), {}
+    while names:
+        run = tuple(n for n in names if stores[n] is stores[names[0]])
+        names = [n for n in names if n not in run]
+
+        def leaf(g, *leaves, run=run):
+            k = len(run)
+            return storage_lib.store_moments(
+                stores[run[0]],
+                fns[run],
+                tuple(leaves[:k]),
+                tuple(leaves[k:]),
+                jnp.asarray(g),
+                signed=tuple(signed[n] for n in run),
+                step=count,
+            )
+
+        trees = _map_unzip(
+            leaf, len(run), updates, *(stored[n] for n in run), *(new[n] for n in run)
+        )
+        out.update(zip(run, trees, strict=True))
+    return out
 
 
 def scale_by_adam(
@@ -469,7 +574,9 @@ def scale_by_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
+    mu_dtype: Any = None,
     *,
+    nesterov: bool = False,
     amsgrad: str | None = None,
     state_dtype: storage_lib.StateDtype = None,
 ) -> optax.GradientTransformation:
@@ -506,8 +613,13 @@ def scale_by_adam(
     by :math:`1-\beta_2^t`, and the max keeps them), so it takes smaller steps than
     ``"pytorch"`` for a long time; the conventions differ measurably (see the Reddi experiment).
 
-    Moments are computed in ``promote_types(state dtype, gradient dtype)``, at least float32
-    for a bfloat16, float16 or 8-bit ``state_dtype``, and stored as ``state_dtype`` says
+    With ``amsgrad=None`` this is ``optax.scale_by_adam`` and with ``"optax"``
+    ``optax.scale_by_amsgrad``: the same operations in the same order (bit for bit in
+    float32) and Optax's own state classes, :class:`~optax_decoupled.ScaleByAdamState` and
+    :class:`~optax_decoupled.ScaleByAmsgradState`. Complex parameters are supported as in Optax
+    (:math:`g_t^2` is :math:`|g_t|^2`) with moments in the parameter dtype. Moments are
+    computed in ``promote_types(state dtype, gradient dtype)``, at least float32 for a
+    bfloat16, float16 or 8-bit ``state_dtype``, and stored as ``state_dtype`` says
     (:func:`~optax_decoupled.resolve_storage`); the output has the gradient's dtype.
 
     Args:
@@ -515,8 +627,14 @@ def scale_by_adam(
       b2: :math:`\beta_2 \in [0, 1)`.
       eps: :math:`\epsilon \ge 0`, added outside the square root.
       eps_root: :math:`\epsilon_{root} \ge 0`, added inside the square root.
+      mu_dtype: the first moment's dtype, as Optax's ``mu_dtype`` (created and kept in it;
+        computed in the promoted dtype). ``None``: as ``state_dtype`` says.
+      nesterov: Nesterov momentum in the numerator (Dozat 2016), as
+        ``optax.scale_by_adam(nesterov=True)``; Adam only.
       amsgrad: ``None``, ``"pytorch"``, ``"optax"`` or ``"paper"``.
-      state_dtype: how the moments are stored (``None``: the parameter dtype).
+      state_dtype: how the moments are stored (``None``: the parameter dtype), one
+        specification for both or ``{"mu": ..., "nu": ...}`` for each (AMSGrad's
+        :math:`\nu^{max}` is kept like :math:`\nu`); see :func:`~optax_decoupled.resolve_storage`.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -540,23 +658,27 @@ def scale_by_adam(
         V.check_not_schedule(name, value)
         V.check_non_negative(name, value)
     V.check_choice("amsgrad", amsgrad, AMSGRAD_VARIANTS)
-    store = storage_lib.resolve_storage(state_dtype)
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"`nesterov` must be a bool, got {nesterov!r}.")
+    if nesterov and amsgrad is not None:
+        raise ValueError("`nesterov` is defined for Adam only (amsgrad=None).")
+    names = ("mu", "nu") if amsgrad is None else ("mu", "nu", "nu_max")
+    stores = _moment_storages(state_dtype, mu_dtype, ("mu", "nu"))
+    stores["nu_max"] = stores["nu"]
+    stores = {n: stores[n] for n in names}
+    signed = {"mu": True, "nu": False, "nu_max": False}
 
     def init_fn(params):
-        V.check_param_dtypes(params, "scale_by_adam")
-        mu = jax.tree.map(lambda p: store.init(p, signed=True), params)
-        nu = jax.tree.map(lambda p: store.init(p, signed=False), params)
-        nu_max = None
-        if amsgrad is not None:
-            nu_max = jax.tree.map(lambda p: store.init(p, signed=False), params)
-        return ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu, nu_max=nu_max)
+        moments = _init_moments(stores, params, signed, "scale_by_adam")
+        count = jnp.zeros([], jnp.int32)
+        if amsgrad is None:
+            return ScaleByAdamState(count=count, **moments)
+        return ScaleByAmsgradState(count=count, **moments)
 
     def update_fn(updates, state, params=None):
         V.check_update_dtypes(updates, "scale_by_adam")
         state = _restore_quantized_moments(state, unsigned=("nu", "nu_max"))
         count = optax.safe_increment(state.count)
-        bc1 = 1 - b1**count
-        bc2 = 1 - b2**count
 
         _check_shapes(updates, state.mu, "scale_by_adam", "first moment")
         if params is not None:
@@ -565,32 +687,65 @@ def scale_by_adam(
             "scale_by_adam", {"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root}, updates
         )
 
-        # Element-wise: (mu, nu[, nu_max]) at t-1 and g -> the same at t.
-        moments = EmaMoments(
-            (b1, b2),
-            (1, 2),
-            running_max=amsgrad is not None,
-            max_divisor=bc2 if amsgrad == "optax" else None,
-        )
-
-        # The output from the new moments (the table above).
-        direction = AdamDirection(bc1, bc2, eps, eps_root, amsgrad)
-
-        def leaf(g, mu_s, nu_s, nu_max_s=None):
-            g = jnp.asarray(g)
-            stored = (mu_s, nu_s) if amsgrad is None else (mu_s, nu_s, nu_max_s)
-            signed = (True, False, False)[: len(stored)]
-            written, u = storage_lib.update_moments_and_output(
-                store, moments, direction, stored, g, signed=signed, step=count
-            )
-            return (u, *written)
-
-        trees = (updates, state.mu, state.nu)
+        # Optax's arithmetic on whole trees (optax.scale_by_adam / scale_by_amsgrad), on the
+        # moments read from storage.
+        stored = {n: getattr(state, n) for n in names}
+        old = {n: _read(stores[n], stored[n], updates) for n in names}
+        new = {
+            "mu": optax.tree.update_moment(_promoted(updates, old["mu"]), old["mu"], b1, 1),
+            "nu": optax.tree.update_moment_per_elem_norm(
+                _promoted(updates, old["nu"]), old["nu"], b2, 2
+            ),
+        }
         if amsgrad is not None:
-            trees += (state.nu_max,)
-        unzip = _map_unzip(leaf, *trees)
-        nu_max = unzip[3] if amsgrad is not None else None
-        return unzip[0], ScaleByAdamState(count=count, mu=unzip[1], nu=unzip[2], nu_max=nu_max)
+            seen = (
+                optax.tree.bias_correction(new["nu"], b2, count)
+                if amsgrad == "optax"
+                else new["nu"]
+            )
+            new["nu_max"] = jax.tree.map(jnp.maximum, old["nu_max"], seen)
+        u = _adam_direction(new, updates, count)
+
+        # The same updates element-wise, for storages that update in a pass of their own.
+        correction = (b2, count) if amsgrad == "optax" else None
+        running_max = amsgrad is not None
+        fns = {
+            ("mu",): EmaMoments((b1,), (1,)),
+            ("nu",): EmaMoments((b2,), (2,)),
+            ("nu", "nu_max"): EmaMoments((b2,), (2,), running_max, correction),
+            ("mu", "nu"): EmaMoments((b1, b2), (1, 2)),
+            ("mu", "nu", "nu_max"): EmaMoments((b1, b2), (1, 2), running_max, correction),
+        }
+        moments = _store(stores, fns, stored, new, updates, signed, count)
+        if amsgrad is None:
+            return u, ScaleByAdamState(count=count, **moments)
+        return u, ScaleByAmsgradState(count=count, **moments)
+
+    def _adam_direction(new, updates, count):
+        """The output for each ``amsgrad`` convention (the table above), as Optax orders it."""
+        bias_correction = optax.tree.bias_correction
+        if amsgrad == "paper":
+            numer = new["mu"]
+        elif nesterov:
+            numer = jax.tree.map(
+                lambda m, g: b1 * m + (1 - b1) * g,
+                bias_correction(new["mu"], b1, optax.safe_increment(count)),
+                bias_correction(updates, b1, count),
+            )
+        else:
+            numer = bias_correction(new["mu"], b1, count)
+        if amsgrad is None:
+            den = bias_correction(new["nu"], b2, count)
+        elif amsgrad == "pytorch":
+            den = bias_correction(new["nu_max"], b2, count)
+        else:
+            den = new["nu_max"]
+        return jax.tree.map(
+            lambda m, v, g: (m / (jnp.sqrt(v + eps_root) + eps)).astype(jnp.result_type(g)),
+            numer,
+            den,
+            updates,
+        )
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -600,17 +755,13 @@ def scale_by_adam(
 # ---------------------------------------------------------------------------------------------
 
 
-class ScaleByLionState(NamedTuple):
-    """State of :func:`scale_by_lion`: step count and the momentum :math:`\\mu`."""
-
-    count: chex.Array
-    mu: optax.Updates
-
-
 def scale_by_lion(
     b1: float = 0.9,
     b2: float = 0.99,
+    mu_dtype: Any = None,
     *,
+    mode: str = "hard",
+    smooth_beta: float = 1.0,
     state_dtype: storage_lib.StateDtype = None,
 ) -> optax.GradientTransformation:
     r"""Lion's sign update (Chen et al., "Symbolic Discovery of Optimization Algorithms",
@@ -624,11 +775,17 @@ def scale_by_lion(
     The momentum is updated *after* the sign is taken, with the other rate; ``sign(0) = 0``.
     Every output element has magnitude 1 (or 0), so Lion's learning rate is typically 3-10x
     smaller than AdamW's and its decoupled weight decay 3-10x larger (the paper, Sec. 5).
-    Same as ``optax.scale_by_lion``.
+    This is ``optax.scale_by_lion``: the same operations (bit for bit in float32) and its
+    state class, :class:`~optax_decoupled.ScaleByLionState`.
 
     Args:
       b1: :math:`\beta_1 \in [0, 1)`, the interpolation rate of the update.
       b2: :math:`\beta_2 \in [0, 1)`, the momentum's decay rate.
+      mu_dtype: the momentum's dtype, as Optax's ``mu_dtype``.
+      mode: ``"hard"`` (the sign, default), ``"smooth"`` (:math:`\tanh(\beta_s x)`) or
+        ``"refined"`` (:math:`x` where :math:`|x| < 1`, else its sign), with
+        :math:`x = \beta_1 \mu_{t-1} + (1-\beta_1) g_t`: ``optax.scale_by_lion``'s modes.
+      smooth_beta: :math:`\beta_s > 0` of ``"smooth"``.
       state_dtype: how :math:`\mu` is stored (``None``: the parameter dtype).
 
     Examples:
@@ -645,12 +802,15 @@ def scale_by_lion(
     """
     V.check_beta("b1", b1)
     V.check_beta("b2", b2)
-    store = storage_lib.resolve_storage(state_dtype)
+    V.check_choice("mode", mode, LION_MODES)
+    V.check_not_schedule("smooth_beta", smooth_beta)
+    V.check_positive("smooth_beta", smooth_beta)
+    stores = _moment_storages(state_dtype, mu_dtype, ("mu",))
+    signed = {"mu": True}
 
     def init_fn(params):
-        V.check_param_dtypes(params, "scale_by_lion")
-        mu = jax.tree.map(lambda p: store.init(p, signed=True), params)
-        return ScaleByLionState(count=jnp.zeros([], jnp.int32), mu=mu)
+        moments = _init_moments(stores, params, signed, "scale_by_lion")
+        return ScaleByLionState(count=jnp.zeros([], jnp.int32), **moments)
 
     def update_fn(updates, state, params=None):
         V.check_update_dtypes(updates, "scale_by_lion")
@@ -659,20 +819,13 @@ def scale_by_lion(
         if params is not None:
             _check_shapes(updates, params, "scale_by_lion", "parameter")
         check_hyperparameter_shapes("scale_by_lion", {"b1": b1, "b2": b2}, updates)
-
-        momentum = EmaMoments((b2,), (1,))
         count = optax.safe_increment(state.count)
-
-        direction = LionDirection(b1)
-
-        def leaf(g, mu_s):
-            g = jnp.asarray(g)
-            (written,), u = storage_lib.update_moments_and_output(
-                store, momentum, direction, (mu_s,), g, signed=(True,), step=count
-            )
-            return u, written
-
-        u, mu = _map_unzip(leaf, updates, state.mu)
-        return u, ScaleByLionState(count=count, mu=mu)
+        # Optax's arithmetic (optax.scale_by_lion): the output from the old momentum.
+        old = _read(stores["mu"], state.mu, updates)
+        u = jax.tree.map(lambda g, m: lion_direction(g, m, b1, mode, smooth_beta), updates, old)
+        new = {"mu": optax.tree.update_moment(_promoted(updates, old), old, b2, 1)}
+        fns = {("mu",): EmaMoments((b2,), (1,))}
+        moments = _store(stores, fns, {"mu": state.mu}, new, updates, signed, count)
+        return u, ScaleByLionState(count=count, **moments)
 
     return optax.GradientTransformation(init_fn, update_fn)

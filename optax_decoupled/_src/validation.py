@@ -140,30 +140,26 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
 
 
 def check_update_dtypes(updates: Any, transform: str) -> None:
-    """Rejects non-floating gradient leaves, naming the leaf (the update would be cast to
-    the gradient's integer dtype, i.e. truncated)."""
+    """Rejects integer and boolean gradient leaves, naming the leaf (the update would be cast
+    to the gradient's integer dtype, i.e. truncated)."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(updates)
     for path, leaf in leaves:
         dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.floating):
+        if not jnp.issubdtype(dtype, jnp.inexact):
             raise ValueError(
                 f"{transform}: gradient {jax.tree_util.keystr(path)!s} has dtype {dtype}; "
-                "gradients must be real floating point (cast them, e.g. g.astype(jnp.float32))."
+                "gradients must be floating point or complex (cast them, e.g. "
+                "g.astype(jnp.float32))."
             )
 
 
 def check_param_dtypes(params: Any, transform: str) -> None:
-    """Rejects integer, boolean and complex parameter leaves with a message naming the leaf."""
+    """Rejects integer and boolean parameter leaves with a message naming the leaf (an
+    integer parameter cannot take a fractional step). Complex parameters are accepted."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(params)
     for path, leaf in leaves:
         dtype = jnp.result_type(leaf)
-        if jnp.issubdtype(dtype, jnp.complexfloating):
-            raise ValueError(
-                f"{transform}: parameter {jax.tree_util.keystr(path)!s} has complex dtype "
-                f"{dtype}; complex parameters are not supported (split them into real and "
-                "imaginary parts)."
-            )
-        if not jnp.issubdtype(dtype, jnp.floating):
+        if not jnp.issubdtype(dtype, jnp.inexact):
             raise ValueError(
                 f"{transform}: parameter {jax.tree_util.keystr(path)!s} has dtype {dtype}; "
                 "optimizers update floating-point parameters only (exclude integer/bool "

@@ -188,12 +188,12 @@ CASES: dict[str, Case] = {
         "integer or bool parameter leaves",
         lambda: od.adamw(1e-3).init({"w": jnp.ones((2, 2)), "steps": jnp.zeros(3, jnp.int32)}),
     ),
-    "complex-params": Case(
-        "complex parameter leaves",
-        lambda: od.lion(1e-4).init({"z": jnp.ones((2, 2), jnp.complex64)}),
+    "complex-params-low-precision": Case(
+        "complex parameter leaves with a `state_dtype` (complex ones need `state_dtype=None`)",
+        lambda: od.lion(1e-4, state_dtype="bfloat16").init({"z": jnp.ones((2, 2), jnp.complex64)}),
     ),
     "update-without-params": Case(
-        "`update(grads, state)` without the parameters (every alias needs them)",
+        "`update(grads, state)` without the parameters (every decaying alias needs them)",
         lambda: _update(od.adamw(1e-3), PARAMS, with_params=False),
     ),
     "grads-missing-leaf": Case(

@@ -14,7 +14,7 @@ from optax_decoupled.experiments import formatting, state_memory, state_precisio
 
 PARAMS = {"w": jnp.ones((512, 256)), "b": jnp.ones((256,))}  # 131072 + 256
 N = 512 * 256 + 256
-COUNTS = 8  # two int32 step counters (scale_by_adam/lion and the decay transform)
+COUNTS = 4  # the int32 step counter of scale_by_adam/lion (the "lr" decay keeps Optax's EmptyState)
 
 
 def test_leaf_bytes_and_num_params():

@@ -101,7 +101,8 @@ def store_moments(
 ) -> tuple[Any, ...]:
     """The stored form of the new moments ``new = fn(*read(stored), g)``.
 
-    A storage that rounds plainly writes ``new`` itself (``write(v, like=stored moment)``), so
+    A storage that rounds plainly writes ``new`` itself (``write(v, like=g)``; the parameter
+    dtype's storage writes each moment in the dtype it was made in), so
     the stored moments are the values the transform computed its output from. One that
     updates in a pass of its own (``fused_update``: 8-bit storage's chunked requantization,
     stochastic rounding seeded by ``step``) runs :func:`update_moments` of the element-wise
@@ -109,7 +110,11 @@ def store_moments(
     """
     if getattr(store, "fused_update", False):
         return update_moments(store, fn, stored, (g,), like=g, signed=signed, step=step)
-    return tuple(store.write(v, s, signed=sg) for v, s, sg in zip(new, stored, signed, strict=True))
+    if isinstance(store, ParamDtypeStorage):  # each moment keeps the dtype it was made in
+        return tuple(
+            store.write(v, s, signed=sg) for v, s, sg in zip(new, stored, signed, strict=True)
+        )
+    return tuple(store.write(v, g, signed=sg) for v, sg in zip(new, signed, strict=True))
 
 
 def narrow(value: jax.Array, dtype: Any) -> jax.Array:

@@ -525,8 +525,18 @@ def _init_moments(stores: dict, params: Any, signed: dict[str, bool], who: str) 
 
 
 def _read(store: Any, stored: Any, updates: Any) -> Any:
-    """The moment tree ``stored`` as values, in ``promote_types(storage, gradient)``."""
-    return jax.tree.map(lambda g, st: store.read(st, jnp.asarray(g)), updates, stored)
+    """The moment tree ``stored`` as values, in ``promote_types(storage, gradient)``: moments
+    in the parameter dtype (``state_dtype=None``) are cast up too, so that bfloat16 parameters
+    under float32 gradients average in float32 (a no-op where the dtypes match, as in Optax);
+    Optax's ``mu_dtype`` is read as Optax reads it."""
+
+    def read(g, st):
+        value = store.read(st, jnp.asarray(g))
+        if isinstance(store, storage_lib.ParamDtypeStorage) and store.dtype is None:
+            value = value.astype(jnp.promote_types(value.dtype, jnp.result_type(g)))
+        return value
+
+    return jax.tree.map(read, updates, stored)
 
 
 def _promoted(updates: Any, moments: Any) -> Any:

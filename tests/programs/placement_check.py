@@ -68,8 +68,11 @@ def eager_int8_off_the_default_device(problems):
         state = tx.init(params)
         updates, state = tx.update(grads, state, params)
         updates, state = tx.update(grads, state, params)
-        if devices_of((updates, state.inner_state)) != [device.id]:
-            where = devices_of((updates, state.inner_state))
+        # The update and the moments (leaves with the parameters' layout; scalar counts
+        # may stay on the default device).
+        per_param = [x for x in jax.tree.leaves((updates, state.inner_state)) if x.ndim]
+        if devices_of(per_param) != [device.id]:
+            where = devices_of(per_param)
             problems.append(f"parameters on device {device.id}: update and moments on {where}")
         results[device.id] = jax.device_get((updates, state))
     if not all(

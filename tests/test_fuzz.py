@@ -282,7 +282,8 @@ DOCUMENTED = [
     r"^`\w+` leaf at '.*' must be a Python bool",
     r"^`(include|exclude)` pattern",
     r"^`default` must be 'auto' or 'all'",
-    r"^\w+: parameter .* has (complex )?dtype ",
+    r"^\w+: parameter .* has dtype ",
+    r"^`state_dtype`=.* cannot keep the moments of the complex parameter ",
     r"^\w+ needs the current parameters: call update\(updates, state, params\)",
     r"^pytree structure error: ",  # JAX's tree utilities, naming the key path
     r"^Custom node type mismatch",  # JAX, for NamedTuple/dataclass containers

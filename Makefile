@@ -24,7 +24,7 @@ lint: $(STAMP)
 # Tests run in TEST_WORKERS pytest-xdist processes: one per core, at most 4 (each is a JAX
 # process of its own, a GiB or two; 0 runs them in this process).
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = min(4, len(os.sched_getaffinity(0))); print(n if n > 1 else 0)" 2>/dev/null || echo 0)
-PYTEST := OPTAX_DECOUPLED_SMOKE=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
+PYTEST := OPTAX_DECOUPLED_SMOKE=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
 
 # The test command of the README and of CI: lint, then the unit tier (every reference,
 # golden, property and bad-input test, the experiments' small tests and the doctests of the

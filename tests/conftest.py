@@ -29,7 +29,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # their counts from `settings.default.max_examples`, the loaded profile's.
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-settings.register_profile("unit", max_examples=10, deadline=None)
+settings.register_profile("unit", max_examples=6, deadline=None)
 settings.register_profile(
     "thorough", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

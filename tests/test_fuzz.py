@@ -566,7 +566,7 @@ def _run(alias, hp, sane, params, seed, grads_mode):
 
 
 @settings(
-    # 6x the profile's count (tests/conftest.py): 60 in the unit tier, 300 in the thorough one.
+    # 6x the profile's count (tests/conftest.py): 36 in the unit tier, 300 in the thorough one.
     max_examples=int(os.environ.get("FUZZ_EXAMPLES", 6 * settings.default.max_examples)),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

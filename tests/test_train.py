@@ -1,5 +1,6 @@
 """Tests of the SSM trainer: pure step, vmapped grid = one-by-one runs, checkpoint/resume
-bit-identity and errors, JSON lines, schedules, and plugging in optax_decoupled.adamw."""
+bit-identity and errors, JSON lines and schedules. (optax_decoupled.adamw training in a grid:
+tests/integration/test_experiments_training.py.)"""
 
 import dataclasses
 import os
@@ -378,30 +379,3 @@ def test_config_chunk_resolution():
     assert programs.config_mesh(1) is None
     mesh = programs.config_mesh(1000)
     assert (mesh.size if mesh else 1) == len(jax.local_devices())
-
-
-def test_optax_decoupled_adamw_plugs_in(task, model_config):
-    """optax_decoupled.adamw(mask="auto") trains in the grid, and its mask on the SSM's
-    parameters is the one written out by hand: decay only the >= 2-D kernels, never A_log, D,
-    dt_bias, norm scales, biases or the embedding."""
-    _, params, _ = training_step.init_model(model_config, 0)
-    by_hand = jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", params)
-    assert od.resolve_mask("auto", params) == by_hand
-
-    steps = 6
-    loop = train_lib.TrainConfig(
-        steps=steps, eval_every=steps, eval_splits=(), final_splits=(), progress=False
-    )
-    make_tx = schedules.scheduled(
-        od.adamw, total_steps=steps, warmup_steps=1, clip_norm=1.0, mask="auto"
-    )
-    hp = {"learning_rate": [1e-2, 1e-2], "weight_decay": [0.0, 0.5]}
-    result = train_lib.train_grid(task, model_config, make_tx, hp, 0, loop)
-    no_decay, decay = result.runs
-    assert np.all(np.isfinite(no_decay.train_loss)) and np.all(np.isfinite(decay.train_loss))
-    # Same seed, same data: the first step (taken before any decay acts on the loss) agrees.
-    assert no_decay.train_loss[0] == decay.train_loss[0]
-    # Decay shrinks the decayed kernels relative to the undecayed run.
-    k0 = no_decay.params["layers"][0]["mixer"]["in_proj"]["kernel"]
-    k1 = decay.params["layers"][0]["mixer"]["in_proj"]["kernel"]
-    assert np.linalg.norm(k1) < np.linalg.norm(k0)

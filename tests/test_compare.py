@@ -253,3 +253,66 @@ def test_part_subcommands(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OPTAX_DECOUPLED_SMOKE", "1")
     assert main("--scale", "quick", "--force") == 0
     assert ran[-1] == "smoke" and "ignoring --scale quick" in capsys.readouterr().err
+
+
+def _swept(label, lrs, wds, test_loss, chosen):
+    """A comparison entry with a sweep whose test losses are given, ``(lr, wd, seed)``."""
+    test_loss = np.asarray(test_loss, float)
+    sweep = {"learning_rate": list(lrs), "weight_decay": list(wds), "seeds": [1, 2, 3],
+             "test_loss": test_loss.tolist(), "test_accuracy": (1 - test_loss).tolist(),
+             "val_loss": test_loss.tolist()}  # fmt: skip
+    ev = {"hparams": {"learning_rate": chosen[0], "weight_decay": chosen[1]}, "seeds": [1, 2, 3],
+          "sweep": sweep}  # fmt: skip
+    return {"label": label, "evaluation": ev}
+
+
+def test_verdicts_pair_the_chosen_cells_by_seed():
+    """Known differences: AdamW's chosen λ is better than λ = 0 by exactly 0.1 on every seed
+    (an interval of zero width below 0); Adam + L2 and AdamW differ by seed-dependent amounts
+    whose mean is 0 (not distinguishable)."""
+    from optax_decoupled.experiments import verdicts
+
+    lrs, wds = [1e-3, 1e-2], [0.0, 0.1, 1.0]
+    base = np.array([0.5, 0.6, 0.7])  # per seed
+    adamw = np.broadcast_to(base, (2, 3, 3)).copy()
+    adamw[1, 2] = base - 0.1  # chosen: lr 1e-2, λ 1
+    coupled = np.broadcast_to(base, (2, 3, 3)).copy()
+    coupled[0, 1] = base - 0.1 + np.array([-0.05, 0.0, 0.05])
+    doc = {"optimizers": {
+        "adam_l2": _swept("L2", lrs, wds, coupled, (1e-3, 0.1)),
+        "adamw": _swept("W", lrs, wds, adamw, (1e-2, 1.0)),
+    }}  # fmt: skip
+    v = verdicts.comparison_verdicts(doc)
+    w = v["decay"]["adamw"]
+    assert w["mean"] == pytest.approx(-0.1) and w["verdict"] == "λ = 1 better"
+    assert w["accuracy"]["mean"] == pytest.approx(0.1)
+    (pair,) = v["pairs"]
+    assert (pair["a"], pair["b"]) == ("adam_l2", "adamw")
+    assert pair["mean"] == pytest.approx(0.0, abs=1e-12)
+    assert pair["verdict"] == "not distinguishable" and pair["low"] < 0 < pair["high"]
+    text = verdicts.comparison_text(v)
+    assert "- W: λ = 1 − λ = 0: -0.1000" in text and "coupled L2 or decoupled decay" in text
+    doc["optimizers"]["adamw"]["evaluation"]["seeds"] = [4, 5, 6]
+    with pytest.raises(ValueError, match="different seeds"):
+        verdicts.comparison_verdicts(doc)
+
+
+def test_the_grid_part_reads_the_comparisons_sweeps():
+    """The positive weight decays of the optimizers swept over several learning rates, with
+    the separability of a landscape whose best λ moves as 1/η (slope −1, coupled)."""
+    lrs, wds = [1e-3, 1e-2, 1e-1], [0.0, 1e-3, 1e-2, 1e-1, 1.0, 10.0]
+    log_lr, log_wd = np.log10(lrs)[:, None], np.log10(np.maximum(wds, 1e-9))[None, :]
+    loss = 1 + 0.1 * (log_wd - (-3 - log_lr)) ** 2  # λ* = 1e-3 / η
+    seeds = loss[..., None] + 1e-3 * np.random.default_rng(0).standard_normal((3, 6, 3))
+    doc = {"config": {}, "optimizers": {
+        "adamw": _swept("W", lrs, wds, seeds, (1e-2, 1e-2)),
+        "lion": _swept("L", [1e-3], wds, seeds[:1], (1e-3, 1e-2)),
+    }}  # fmt: skip
+    g = grid.from_comparison(doc)
+    assert list(g["optimizers"]) == ["adamw"]  # Lion has one learning rate: no grid
+    res = g["optimizers"]["adamw"]
+    assert res["weight_decays"] == wds[1:]
+    np.testing.assert_array_equal(res["val_loss"], seeds[:, 1:])
+    sep = res["separability"]
+    assert sep["verdict"] == "coupled" and sep["slope"] == pytest.approx(-1.0, abs=0.05)
+    assert "coupled: slope -1.0" in grid.summary_table(g)

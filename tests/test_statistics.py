@@ -75,3 +75,14 @@ def test_higher_is_better_flips_the_verdict():
 def test_bad_input(a, b):
     with pytest.raises(ValueError):
         statistics.paired_difference(a, b)
+
+
+def test_a_valley_at_the_edge_of_the_grid_is_inconclusive():
+    """A landscape whose best λ lies beyond the grid for some η is not called separable,
+    even though its clamped minima have slope 0 and a zero-width interval."""
+    losses = _landscape(0.0)[:, :, :4]  # λ* = 1e-2 and the grid stops at 10^-2.5
+    out = statistics.valley_slope(LRS, WDS[:4], losses)
+    assert out["verdict"] == "inconclusive"
+    assert out["edge"] == pytest.approx(list(LRS))
+    assert "edge of the grid" in out["line"]
+    assert statistics.valley_slope(LRS, WDS, _landscape(0.0))["edge"] == []

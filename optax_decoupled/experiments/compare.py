@@ -3,24 +3,30 @@ r"""The comparison: coupled L2 vs AdamW (two conventions) vs AMSGrad vs Lion on 
 Protocol (the same for every optimizer; written into the report):
 
 1. **Selection.** For each optimizer, a learning-rate × weight-decay × seeds grid
-   (``eval_seeds``) trains as one compiled program on sequential digits; the cell with the
-   lowest final *validation* loss, averaged over the seeds, is chosen. Lion's grid is centred
-   per its paper: learning rates ``lion_lr_factor`` (default 1/5) times AdamW's, weight
-   decays ``lion_wd_factor`` (default 5) times. Weight-decay grids are per convention, since
-   the same number means a different decay per step: coupled λ enters the gradient (and is
-   divided by :math:`\sqrt{\hat\nu}`), ``"lr"`` decays by :math:`\eta_t\lambda` per step,
-   ``"schedule"`` by :math:`\lambda\eta_t/\eta_{peak}`.
+   (``eval_seeds``; :func:`sweep`) trains as one compiled program on sequential digits read
+   row by row from a small training set (``train_size`` images, which the model overfits);
+   the cell with the lowest final *validation* loss, averaged over the seeds, is chosen. Every
+   weight-decay axis includes λ = 0, the reference for what the decay does. Lion's grid is
+   centred per its paper: learning rates ``lion_lr_factor`` (default 1/5) times AdamW's,
+   weight decays ``lion_wd_factor`` (default 5) times. Weight-decay axes are per convention
+   (:data:`WD_RANGES`), since the same number means a different decay per step.
 2. **Evaluation.** The chosen cell's runs (one per seed) are scored on the *test* split,
    which played no part in the choice: accuracy, loss, and the train/test gap (mean ± std
-   over seeds).
-3. **Optimisation speed.** On selective copying, each optimizer with its chosen weight decay
+   over seeds); the same for λ = 0 at the chosen learning rate.
+3. **Verdicts** (:mod:`~optax_decoupled.experiments.verdicts`): the chosen λ against λ = 0,
+   and the pairs the report contrasts (:data:`~optax_decoupled.experiments.verdicts.PAIRS`),
+   as differences of test loss paired by seed with their confidence intervals.
+4. **Optimisation speed.** On selective copying, each optimizer with its chosen weight decay
    and a small learning-rate grid (the chosen digits learning rate × ``copy_lr_factors``);
    reported: the first evaluation step at which per-token validation accuracy reaches
    ``copy_target`` (best learning rate, each seed), or "not reached" within the budget.
-4. **Diagnostics** on the chosen cell's first seed: per-element effective decay per step at the
+5. **Diagnostics** on the chosen cell's first seed: per-element effective decay per step at the
    peak learning rate with the end-of-training moments (coupled:
    :math:`\eta\lambda/(\sqrt{\hat\nu}+\epsilon)`; decoupled: :math:`s`),
    weight-norm trajectories per parameter group, and update/parameter norm ratios.
+
+The sweeps of the optimizers tuned over every learning rate are the lr × wd grids that
+:mod:`~optax_decoupled.experiments.grid` analyses for separability.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import optax
 
 import optax_decoupled as od
 from optax_decoupled import diagnostics
-from optax_decoupled.experiments import schedules, train_results, training_step
+from optax_decoupled.experiments import schedules, train_results, training_step, verdicts
 from optax_decoupled.experiments import tasks as tasks_lib
 from optax_decoupled.experiments import train as train_lib
 from optax_decoupled.experiments.ssm import SSMConfig
@@ -105,23 +111,30 @@ def _geom(lo: float, hi: float, n: int) -> tuple[float, ...]:
     return tuple(float(f"{v:.3g}") for v in np.geomspace(lo, hi, n))
 
 
+#: Each convention's weight-decay range (the axis is ``n_wd`` log-spaced values in it, and 0):
+#: coupled λ enters the gradient and is divided by :math:`\sqrt{\hat\nu}`; ``"lr"`` decays by
+#: :math:`\eta\lambda` per step; ``"schedule"`` by λ per step at the peak.
+WD_RANGES = {"coupled": (3.16e-4, 3.16e-2), "lr": (0.1, 10.0), "schedule": (1e-3, 0.1)}
+
+
 def default_specs(
     lrs: Sequence[float],
     n_wd: int,
     *,
     lion_lr_factor: float = 0.2,
     lion_wd_factor: float = 5.0,
+    zero: bool = True,
 ) -> dict[str, OptimizerSpec]:
     """The compared optimizers with grids around AdamW's learning rates ``lrs``.
 
-    Weight-decay ranges (``n_wd`` log-spaced values each) are per convention: coupled L2
-    ``[1e-5, 1e-2]``; decoupled ``"lr"`` ``[1e-2, 3]`` (decay :math:`\\eta\\lambda` per step);
-    ``"schedule"`` ``[1e-5, 1e-2]`` (decay :math:`\\lambda` per step at the peak).
+    Weight-decay axes: ``n_wd`` log-spaced values in each convention's :data:`WD_RANGES`,
+    preceded by 0 if ``zero``; Lion's learning rates are ``lrs × lion_lr_factor`` and its
+    weight decays AdamW's × ``lion_wd_factor`` (the same decay per step, ηλ).
     """
     lrs = tuple(float(v) for v in lrs)
-    coupled_wd = _geom(1e-5, 1e-2, n_wd)
-    lr_wd = _geom(1e-2, 3.0, n_wd)
-    sched_wd = _geom(1e-5, 1e-2, n_wd)
+    head = (0.0,) if zero else ()
+    coupled_wd, lr_wd, sched_wd = (head + _geom(*WD_RANGES[c], n_wd)
+                                   for c in ("coupled", "lr", "schedule"))  # fmt: skip
     lion_lrs = tuple(float(f"{v * lion_lr_factor:.3g}") for v in lrs)
     lion_wds = tuple(float(f"{v * lion_wd_factor:.3g}") for v in lr_wd)
     specs = [
@@ -145,26 +158,36 @@ def default_specs(
 
 @dataclasses.dataclass(frozen=True)
 class CompareConfig:
-    """Sizes and settings of the comparison (``quick`` fits 2 CPU cores)."""
+    """Sizes and settings of the comparison (``quick`` fits 2 CPU cores).
 
-    d_model: int = 16
+    ``row_length`` and ``train_size`` shape the digits task
+    (:func:`~optax_decoupled.experiments.tasks.sequential_digits`); ``lr_sweep`` names the
+    optimizers tuned over every learning rate of ``lrs`` (their sweeps are the lr × wd grids
+    of :mod:`~optax_decoupled.experiments.grid`); the others are tuned over the weight decay
+    at the middle learning rate, ``lrs[len(lrs) // 2]`` (× ``lion_lr_factor`` for Lion).
+    """
+
+    d_model: int = 32
     n_layers: int = 2
     d_state: int = 16
     headdim: int = 16
-    chunk_size: int = 16
-    batch_size: int = 16
-    steps: int = 600
-    warmup_steps: int = 60
+    chunk_size: int = 8
+    batch_size: int = 32
+    row_length: int = 8
+    train_size: int | None = 360
+    steps: int = 500
+    warmup_steps: int = 50
     clip_norm: float | None = 1.0
-    eval_every: int = 100
-    lrs: tuple[float, ...] = (1e-2,)
-    n_wd: int = 3
+    eval_every: int = 200
+    lrs: tuple[float, ...] = (3.16e-3, 1e-2, 3.16e-2)
+    n_wd: int = 5
     eval_seeds: tuple[int, ...] = (1, 2, 3)
     optimizers: tuple[str, ...] = ("adam_l2", "adamw", "adamw_schedule", "amsgrad", "lion")
-    copy_steps: int = 600
+    lr_sweep: tuple[str, ...] = ("adam_l2", "adamw", "adamw_schedule")
+    copy_steps: int = 300
     copy_eval_every: int = 50
-    copy_seq_len: int = 32
-    copy_tokens: int = 4
+    copy_seq_len: int = 16
+    copy_tokens: int = 2
     copy_lr_factors: tuple[float, ...] = (1.0,)
     copy_target: float = 0.99
     lion_lr_factor: float = 0.2
@@ -177,20 +200,23 @@ class CompareConfig:
     def preset(cls, scale: str) -> CompareConfig:
         """``"smoke"`` (seconds, for tests/CI), ``"quick"`` (CPU default), ``"full"`` (GPU)."""
         if scale == "smoke":
-            return cls(d_model=16, n_layers=1, batch_size=16, steps=6, warmup_steps=2,
-                       eval_every=3, lrs=(3e-3,), n_wd=2, eval_seeds=(1, 2), copy_steps=6,
-                       copy_eval_every=3, copy_seq_len=8, copy_tokens=2,
-                       copy_lr_factors=(1.0,), optimizers=("adam_l2", "adamw", "lion"))  # fmt: skip
+            return cls(d_model=16, n_layers=1, batch_size=16, train_size=64, steps=6,
+                       warmup_steps=2, eval_every=3, lrs=(1e-3, 3e-3), n_wd=2, eval_seeds=(1, 2),
+                       copy_steps=6, copy_eval_every=3, copy_seq_len=8,
+                       optimizers=("adam_l2", "adamw", "lion"),
+                       lr_sweep=("adam_l2", "adamw"))  # fmt: skip
         if scale == "quick":
             return cls()
         if scale == "full":
-            return cls(d_model=64, n_layers=2, batch_size=64, steps=2000, warmup_steps=200,
-                       eval_every=200, lrs=_geom(3e-4, 1e-2, 6), n_wd=6, eval_seeds=(1, 2, 3, 4, 5),
-                       copy_steps=2000, copy_eval_every=50,
-                       copy_lr_factors=(0.5, 1.0, 2.0, 4.0))  # fmt: skip
+            return cls(d_model=64, steps=2000, warmup_steps=200, eval_every=200,
+                       lrs=_geom(1e-3, 3.16e-2, 4), n_wd=7, eval_seeds=(1, 2, 3, 4, 5),
+                       lr_sweep=("adam_l2", "adamw", "adamw_schedule", "amsgrad", "lion"),
+                       copy_steps=2000, copy_seq_len=32, copy_tokens=4,
+                       copy_lr_factors=(0.5, 1.0, 2.0))  # fmt: skip
         raise ValueError(f"scale must be 'smoke', 'quick' or 'full', got {scale!r}.")
 
     def specs(self) -> dict[str, OptimizerSpec]:
+        """The compared optimizers with their grids (see the class docstring)."""
         all_specs = default_specs(
             self.lrs, self.n_wd, lion_lr_factor=self.lion_lr_factor,
             lion_wd_factor=self.lion_wd_factor,
@@ -198,7 +224,18 @@ class CompareConfig:
         unknown = set(self.optimizers) - set(all_specs)
         if unknown:
             raise ValueError(f"unknown optimizers {sorted(unknown)}; choose from {list(all_specs)}")
-        return {n: all_specs[n] for n in self.optimizers}
+        return {
+            n: all_specs[n]
+            if n in self.lr_sweep
+            else dataclasses.replace(all_specs[n], lrs=(all_specs[n].lrs[len(self.lrs) // 2],))
+            for n in self.optimizers
+        }
+
+    def digits(self) -> tasks_lib.Task:
+        """The sequential-digits task of this configuration."""
+        return tasks_lib.sequential_digits(
+            batch_size=self.batch_size, row_length=self.row_length, train_size=self.train_size
+        )
 
     def model_config(self, task: tasks_lib.Task) -> SSMConfig:
         return SSMConfig(
@@ -218,11 +255,23 @@ def _mean_std(values: Sequence[float]) -> dict[str, float]:
             "values": [float(v) for v in arr]}  # fmt: skip
 
 
-def select_and_evaluate(
-    spec: OptimizerSpec, task: tasks_lib.Task, cfg: CompareConfig, *, progress: bool = True
-) -> dict[str, Any]:
-    """Steps 1, 2 and 4 as one compiled program: the lr × wd × seeds grid, the choice by mean
-    final validation loss over seeds, the chosen cell's test metrics, and its diagnostics."""
+#: The final metrics a sweep keeps for every run.
+SWEEP_METRICS = ("train_loss", "val_loss", "test_loss", "train_accuracy", "test_accuracy")
+
+
+def sweep(
+    spec: OptimizerSpec,
+    task: tasks_lib.Task,
+    cfg: CompareConfig,
+    *,
+    progress: bool = True,
+    param_metrics: Callable[[Any], dict[str, jax.Array]] | None = None,
+) -> tuple[train_results.GridResult, dict[str, Any]]:
+    """Trains ``spec``'s lr × wd × ``cfg.eval_seeds`` grid as one compiled program.
+
+    Returns the trainer's result and the sweep: its axes and, for each of
+    :data:`SWEEP_METRICS`, the final values as a ``(lrs, wds, seeds)`` nested list.
+    """
     seeds = list(cfg.eval_seeds)
     hp, seed_arr = train_lib.product_grid(
         {"learning_rate": spec.lrs, "weight_decay": spec.wds}, seeds=seeds
@@ -234,17 +283,29 @@ def select_and_evaluate(
                               eval_splits=("val",), final_splits=("train", "val", "test"),
                               config_chunk=cfg.config_chunk),
         keep_params=False, desc=f"{spec.name} ({len(seed_arr)} runs)",
-        param_metrics=param_group_norm_metrics,
+        param_metrics=param_metrics,
     )  # fmt: skip
-    n_seeds = len(seeds)
+    shape = (len(spec.lrs), len(spec.wds), len(seeds))  # the seed varies fastest
+    out = {"learning_rate": list(spec.lrs), "weight_decay": list(spec.wds), "seeds": seeds}
+    for key in SWEEP_METRICS:
+        out[key] = np.array([r.final[key] for r in res.runs], np.float64).reshape(shape).tolist()
+    return res, out
+
+
+def select_and_evaluate(
+    spec: OptimizerSpec, task: tasks_lib.Task, cfg: CompareConfig, *, progress: bool = True
+) -> dict[str, Any]:
+    """Steps 1, 2 and 5 from one :func:`sweep`: the choice by mean final validation loss over
+    seeds, the chosen cell's test metrics (and λ = 0's at the chosen learning rate, where the
+    axis has 0), and the chosen cell's diagnostics."""
+    res, grid = sweep(spec, task, cfg, progress=progress, param_metrics=param_group_norm_metrics)
+    n_seeds = len(grid["seeds"])
     cells = [res.runs[i : i + n_seeds] for i in range(0, len(res.runs), n_seeds)]
-    mean_val = np.array([np.mean([r.final["val_loss"] for r in c]) for c in cells])
+    mean_val = np.mean(np.asarray(grid["val_loss"]), axis=2).ravel()
     mean_val = np.where(np.isfinite(mean_val), mean_val, np.inf)
     best = int(np.argmin(mean_val))
     chosen = cells[best]
-    finals = [r.final for r in chosen]
-    first = chosen[0].index
-    return {
+    out = {
         "grid": [
             {
                 **c[0].hparams,
@@ -253,21 +314,35 @@ def select_and_evaluate(
             }
             for c, m in zip(cells, mean_val, strict=True)
         ],  # fmt: skip
+        "sweep": grid,
         "hparams": chosen[0].hparams,
-        "seeds": seeds,
-        "test_accuracy": _mean_std([f["test_accuracy"] for f in finals]),
-        "test_loss": _mean_std([f["test_loss"] for f in finals]),
-        "val_loss": _mean_std([f["val_loss"] for f in finals]),
-        "train_loss": _mean_std([f["train_loss"] for f in finals]),
-        "gap_accuracy": _mean_std([f["train_accuracy"] - f["test_accuracy"] for f in finals]),
-        "gap_loss": _mean_std([f["test_loss"] - f["train_loss"] for f in finals]),
+        "seeds": grid["seeds"],
+        **cell_summary(chosen),
         "train_loss_curve": [float(v) for v in np.nanmean([r.train_loss for r in chosen], 0)],
         "evals": chosen[0].evals,
         "runs": len(res.runs),
         "wall_time_s": res.wall_time_s,
         "compile_time_s": res.compile_time_s,
         "step_time_s": res.step_time_s,
-        "diagnostics": run_diagnostics(spec, chosen[0], first, task, cfg, res),
+        "diagnostics": run_diagnostics(spec, chosen[0], chosen[0].index, task, cfg, res),
+    }
+    if 0.0 in spec.wds:  # λ = 0 at the chosen learning rate: the cell in the same row
+        row = best // len(spec.wds)
+        out["at_zero"] = cell_summary(cells[row * len(spec.wds) + spec.wds.index(0.0)])
+    return out
+
+
+def cell_summary(runs: Sequence[train_results.RunResult]) -> dict[str, Any]:
+    """Mean ± std over a cell's seeds of the test metrics, the losses and the train−test gaps."""
+    finals = [r.final for r in runs]
+    return {
+        "test_accuracy": _mean_std([f["test_accuracy"] for f in finals]),
+        "test_loss": _mean_std([f["test_loss"] for f in finals]),
+        "val_loss": _mean_std([f["val_loss"] for f in finals]),
+        "train_loss": _mean_std([f["train_loss"] for f in finals]),
+        "train_accuracy": _mean_std([f["train_accuracy"] for f in finals]),
+        "gap_accuracy": _mean_std([f["train_accuracy"] - f["test_accuracy"] for f in finals]),
+        "gap_loss": _mean_std([f["test_loss"] - f["train_loss"] for f in finals]),
     }
 
 
@@ -406,7 +481,7 @@ def run_comparison(
 ) -> dict[str, Any]:
     """All four steps for every optimizer; a JSON-ready dict."""
     t0 = time.perf_counter()
-    digits = tasks_lib.sequential_digits(batch_size=cfg.batch_size)
+    digits = cfg.digits()
     out: dict[str, Any] = {"config": dataclasses.asdict(cfg), "optimizers": {}}
     for name, spec in cfg.specs().items():
         log(f"[compare] {name}: {len(spec.lrs)} lr x {len(spec.wds)} wd x "
@@ -420,74 +495,6 @@ def run_comparison(
             "grid": {"learning_rate": list(spec.lrs), "weight_decay": list(spec.wds)},
             "evaluation": ev, "copying": cp,
         }  # fmt: skip
+    out["verdicts"] = verdicts.comparison_verdicts(out)
     out["wall_time_s"] = time.perf_counter() - t0
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Text for the report.
-# ---------------------------------------------------------------------------------------------
-
-
-def protocol_text(doc: dict[str, Any]) -> str:
-    """The selection protocol as run, for the report."""
-    c = doc["config"]
-    return (
-        f"Model: Mamba-2-style SSM, d_model {c['d_model']}, {c['n_layers']} layers; "
-        f"{c['steps']} steps, batch {c['batch_size']}, warmup {c['warmup_steps']} + cosine, "
-        f"global-norm clipping {c['clip_norm']}. Protocol: each optimizer's peak learning rate "
-        f"and weight decay are chosen from its grid × seeds {c['eval_seeds']} (one compiled "
-        "program per optimizer) by the lowest final **validation** loss averaged over seeds; "
-        "the chosen cell's runs are then scored once on the **test** split, which played no "
-        "part in the choice (mean ± std over seeds). "
-        + (
-            f"At this scale the learning-rate grid has one value ({c['lrs'][0]:g}), so only "
-            "the weight decay is chosen. "
-            if len(c["lrs"]) == 1
-            else ""
-        )
-        + "Lion's grid is "
-        f"AdamW's learning rates × {c['lion_lr_factor']} and weight decays × "
-        f"{c['lion_wd_factor']} (Chen et al. 2023). Weight-decay grids differ per convention "
-        "since one unit means a different decay per step. Optimisation speed: selective copying "
-        f"(L = {c['copy_seq_len']}, {c['copy_tokens']} tokens), first evaluation step (every "
-        f"{c['copy_eval_every']}) with per-token validation accuracy ≥ {c['copy_target']}, "
-        f"budget {c['copy_steps']} steps, chosen weight decay, learning rate × "
-        f"{c['copy_lr_factors']} (best shown)."
-    )
-
-
-def _pm(d: dict[str, float], fmt: str = ".3f") -> str:
-    return f"{d['mean']:{fmt}} ± {d['std']:{fmt}}"
-
-
-def _median_effective_decay(res: dict[str, Any]) -> float:
-    return res["evaluation"]["diagnostics"]["effective_decay"]["quantiles"]["0.5"]
-
-
-def summary_table(doc: dict[str, Any]) -> str:
-    """A Markdown table of the comparison."""
-    lines = [
-        "| optimizer | chosen η | chosen λ | test accuracy | test loss | train−test acc. gap "
-        "| copying: steps to target (per seed) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for res in doc["optimizers"].values():
-        ev, cp = res["evaluation"], res["copying"]
-        hits = ", ".join("—" if h is None else str(h) for h in cp["steps_to_target"])
-        lines.append(
-            f"| {res['label']} | {ev['hparams']['learning_rate']:.3g} | "
-            f"{ev['hparams']['weight_decay']:.3g} | {_pm(ev['test_accuracy'])} | "
-            f"{_pm(ev['test_loss'])} | {_pm(ev['gap_accuracy'])} | {hits} "
-            f"(η = {cp['best_learning_rate']:.3g}) |"
-        )
-    lines.append("")
-    lines.append(
-        "— : the target was not reached within the budget. Effective decay per step (median over "
-        "decayed elements, at the peak learning rate, end-of-training ν̂): "
-        + "; ".join(
-            f"{r['label']} {_median_effective_decay(r):.2e}" for r in doc["optimizers"].values()
-        )
-        + "."
-    )
-    return "\n".join(lines)

@@ -445,9 +445,11 @@ def grid_figure(doc: dict[str, Any], value: str = "val_loss") -> Figure:
         b = res["analysis"]["best"]
         ax.plot([b["weight_decay"]], [b["learning_rate"]], "r*", ms=12, label="best")
         fig.colorbar(mesh, ax=ax, shrink=0.85)
-        slope = res["analysis"]["log_slope"]
+        sep = res.get("separability")
         title = res["label"] + (
-            f"\nslope of log λ* vs log η: {number(slope, '+.2f')}" if slope is not None else ""
+            f"\nslope of log λ* vs log η: {number(sep['slope'], '+.2f')} ({sep['verdict']})"
+            if sep is not None
+            else ""
         )
         finish_axes(ax, title, "weight decay λ", "peak learning rate η")
     axes[0, 0].legend(fontsize=FONT_SIZE - 2, loc="lower left")

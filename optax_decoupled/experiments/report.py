@@ -4,8 +4,11 @@
 
 =========  ==================================================================================
 reddi      Reddi et al. counterexamples (:mod:`~optax_decoupled.experiments.reddi`)
+implicit   where Adam + L2 and AdamW converge
+           (:mod:`~optax_decoupled.experiments.implicit_bias`)
 compare    the tuned SSM comparison (:mod:`~optax_decoupled.experiments.compare`)
-grid       lr × wd heatmaps (:mod:`~optax_decoupled.experiments.grid`)
+grid       lr × wd heatmaps and separability (:mod:`~optax_decoupled.experiments.grid`), from
+           the comparison's sweeps where that part has run
 memory     optimizer-state memory (:mod:`~optax_decoupled.experiments.memory_report`)
 =========  ==================================================================================
 
@@ -40,16 +43,18 @@ from optax_decoupled.experiments import (
     compare,
     environment,
     grid,
+    implicit_bias,
     memory_report,
     plots,
     reddi,
+    verdicts,
     xla_setup,
 )
 
 #: The sizes every part has presets for.
 SCALES = ("smoke", "quick", "full")
 #: The parts of the report, in its order.
-PARTS = ("reddi", "compare", "grid", "memory")
+PARTS = ("reddi", "implicit_bias", "compare", "grid", "memory")
 #: The parts that train grids of configurations and take ``config_chunk``.
 GRID_PARTS = ("compare", "grid")
 
@@ -105,15 +110,25 @@ def _section_compare(doc: dict[str, Any], rel: str) -> str:
     figures = _figure_links(doc, rel)
     return (
         "## Coupled L2 vs AdamW vs AMSGrad vs Lion on the Flax SSM\n\n"
-        f"{compare.protocol_text(doc)}\n\n{compare.summary_table(doc)}\n\n{figures}\n"
+        f"{verdicts.protocol_text(doc)}\n\n{verdicts.summary_table(doc)}\n\n{figures}\n"
     )
 
 
 def _run_grid(
     scale: str, out: pathlib.Path, progress: bool, config_chunk: int | str | None = "auto"
 ) -> dict[str, Any]:
-    cfg = dataclasses.replace(grid.GridConfig.preset(scale), config_chunk=config_chunk)
-    doc = grid.run_grid(cfg, progress=progress)
+    """The grids of the comparison finished at ``scale`` beside ``out`` (``<out>/../compare``,
+    as the report lays out its parts), or, where there is none, the sweeps trained here."""
+    sibling = out.parent / "compare"
+    try:
+        done = _finished(sibling, "compare")
+    except OutputConflict:
+        done = None
+    if done is not None and done.get("scale") == scale:
+        doc = grid.from_comparison(json.loads((sibling / "results.json").read_text()))
+    else:
+        cfg = dataclasses.replace(compare.CompareConfig.preset(scale), config_chunk=config_chunk)
+        doc = grid.run_grid(cfg, progress=progress)
     doc["figures"] = plots.grid_figures(doc, out)
     return doc
 
@@ -122,7 +137,12 @@ def _section_grid(doc: dict[str, Any], rel: str) -> str:
     figures = _figure_links(doc, rel)
     return (
         "## Learning rate × weight decay (Loshchilov & Hutter 2019, Fig. 2)\n\n"
-        f"{grid.summary_table(doc)}\n\n{figures}\n"
+        + (
+            "The comparison's own sweeps (above), analysed for separability.\n\n"
+            if doc.get("source") == "compare"
+            else ""
+        )
+        + f"{grid.summary_table(doc)}\n\n{figures}\n"
     )
 
 
@@ -137,6 +157,7 @@ def _section_memory(doc: dict[str, Any], rel: str) -> str:
 #: part -> (run it at a scale into a directory -> results, render its Markdown section)
 RUNNERS: dict[str, tuple[Callable[..., dict], Callable[[dict, str], str]]] = {
     "reddi": (_run_reddi, _section_reddi),
+    "implicit_bias": (implicit_bias.run, implicit_bias.markdown),
     "compare": (_run_compare, _section_compare),
     "grid": (_run_grid, _section_grid),
     "memory": (_run_memory, _section_memory),
@@ -144,7 +165,7 @@ RUNNERS: dict[str, tuple[Callable[..., dict], Callable[[dict, str], str]]] = {
 
 #: What the single-part subcommands print at the end: part -> summary(results).
 SUMMARIES: dict[str, Callable[[dict], str]] = {
-    "compare": compare.summary_table,
+    "compare": verdicts.summary_table,
     "grid": grid.summary_table,
     "memory": memory_report.markdown,
 }

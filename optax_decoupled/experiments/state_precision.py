@@ -26,10 +26,11 @@ from optax_decoupled.experiments.ssm import SSMConfig
 class QualityConfig:
     """Settings of :func:`quality_comparison`. The report's ``quick`` preset (:meth:`preset`),
     which the report, the notebook and docs/memory.md show, is these defaults at batch 32 and
-    300 steps; the defaults themselves are measured in docs/memory.md too (about 10 minutes
-    on 2 CPU cores)."""
+    300 steps. ``row_length`` is the digits' pixels per sequence step
+    (:func:`~optax_decoupled.experiments.tasks.sequential_digits`)."""
 
     d_model: int = 32
+    row_length: int = 8
     n_layers: int = 2
     batch_size: int = 64
     steps: int = 400
@@ -56,7 +57,7 @@ class QualityConfig:
                        state_dtypes=("float32",
                                      od.BlockwiseInt8Storage(min_size=0)))  # fmt: skip
         if scale == "quick":
-            # The defaults at batch 32 and 300 steps (about 4.5 minutes on 2 CPU cores): with
+            # The defaults at batch 32 and 300 steps: with
             # d_model 32 the two in_proj kernels (32 x 164) exceed the default int8 storage's
             # 4096 elements, so its row quantizes what a user's would; "all tensors" quantizes
             # every moment, the norms' and A_log's too.
@@ -88,7 +89,7 @@ def quality_comparison(config: QualityConfig = QualityConfig(), *, progress: boo
       ``gap_vs_float32`` (relative difference of the mean validation loss to the same
       optimizer's float32 row) and ``max_seed_gap`` (largest per-seed relative difference).
     """
-    task = tasks_lib.sequential_digits(batch_size=config.batch_size)
+    task = tasks_lib.sequential_digits(batch_size=config.batch_size, row_length=config.row_length)
     model = SSMConfig(**task.model_kwargs(), d_model=config.d_model, n_layers=config.n_layers)
     loop = train_lib.TrainConfig(
         steps=config.steps,

@@ -118,14 +118,16 @@ def valley_slope(
     PyTorch's and Optax's decay :math:`\eta\lambda` makes the product act, :math:`s = -1`.
 
     Verdicts: ``"separable"`` when the interval lies within ``±separable_within`` of 0,
-    ``"coupled"`` when it excludes 0, ``"inconclusive"`` otherwise.
+    ``"coupled"`` when it excludes 0, ``"inconclusive"`` otherwise -- and whenever the
+    seed-averaged valley of some learning rate bottoms out at the first or last weight decay
+    of the grid, where :math:`\lambda^*` is not located (``"edge"`` lists those learning rates).
 
     Args:
       lrs, wds: the grid's axes (increasing).
       losses: ``(seeds, len(lrs), len(wds))`` validation losses (``inf``/NaN for diverged).
 
     Returns:
-      ``{"slope", "low", "high", "verdict", "line", "n_seeds"}``.
+      ``{"slope", "low", "high", "verdict", "line", "n_seeds", "edge"}``.
     """
     lrs, wds = np.asarray(lrs, np.float64), np.asarray(wds, np.float64)
     losses = np.asarray(losses, np.float64)
@@ -134,7 +136,11 @@ def valley_slope(
             f"`losses` must have shape (seeds, {lrs.size}, {wds.size}), got {losses.shape}."
         )
     clean = np.where(np.isfinite(losses), losses, np.inf)
-    slope = _slope(lrs, wds, np.mean(clean, axis=0))
+    mean = np.mean(clean, axis=0)
+    slope = _slope(lrs, wds, mean)
+    at = np.argmin(mean, axis=1)
+    edge = [float(lr) for lr, j, row in zip(lrs, at, mean, strict=True)
+            if np.isfinite(row).any() and j in (0, wds.size - 1)]  # fmt: skip
     rng = np.random.default_rng(seed)
     n = losses.shape[0]
     boots = np.array(
@@ -148,7 +154,9 @@ def valley_slope(
         low, high = (
             float(q) for q in np.quantile(boots, [(1 - confidence) / 2, (1 + confidence) / 2])
         )
-        if -separable_within <= low and high <= separable_within:
+        if edge:
+            verdict = "inconclusive"
+        elif -separable_within <= low and high <= separable_within:
             verdict = "separable"
         elif low > 0 or high < 0:
             verdict = "coupled"
@@ -156,6 +164,9 @@ def valley_slope(
             verdict = "inconclusive"
     detail = f"slope {slope:+.2f}" + ("" if np.isnan(low) else f" [{low:+.2f}, {high:+.2f}]")
     line = f"{verdict}: {detail} ({confidence:.0%} bootstrap interval over {n} seeds)"
+    if edge:
+        where = ", ".join(f"{v:.3g}" for v in edge)
+        line += f"; the best λ is at the edge of the grid for η = {where}"
     return {
         "slope": slope,
         "low": low,
@@ -163,4 +174,5 @@ def valley_slope(
         "verdict": verdict,
         "line": line,
         "n_seeds": n,
+        "edge": edge,
     }

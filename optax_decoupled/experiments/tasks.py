@@ -250,17 +250,27 @@ def induction_heads(
 
 
 def load_digits_splits(
-    split_seed: int = 0, fractions: tuple[float, float, float] = (0.6, 0.2, 0.2)
+    split_seed: int = 0,
+    fractions: tuple[float, float, float] = (0.6, 0.2, 0.2),
+    *,
+    row_length: int = 1,
 ) -> dict[str, dict[str, np.ndarray]]:
     """scikit-learn's bundled digits as pixel sequences, split train/val/test with a fixed seed.
 
-    Returns ``{"train", "val", "test"}`` batches: ``inputs`` float32 ``(n, 64, 1)`` (pixels in
-    row-major order, scaled from 0..16 to [0, 1]), ``targets`` int32 ``(n,)``, ``mask`` ones.
+    Returns ``{"train", "val", "test"}`` batches: ``inputs`` float32 ``(n, 64 // row_length,
+    row_length)`` (pixels in row-major order, ``row_length`` of them per step, scaled from
+    0..16 to [0, 1]), ``targets`` int32 ``(n,)``, ``mask`` ones.
+
+    Raises:
+      ValueError: for fractions that are not three positive numbers summing to 1, or a
+        ``row_length`` that does not divide 64.
     """
     from sklearn.datasets import load_digits
 
     if len(fractions) != 3 or abs(sum(fractions) - 1.0) > 1e-6 or min(fractions) <= 0:
         raise ValueError(f"fractions must be three positive numbers summing to 1, got {fractions}.")
+    if row_length < 1 or 64 % row_length:
+        raise ValueError(f"`row_length` must divide 64 (1, 2, 4, 8, ...), got {row_length}.")
     X, y = load_digits(return_X_y=True)  # (1797, 64) in 0..16, (1797,)
     perm = np.random.default_rng(split_seed).permutation(len(y))
     n_train = int(round(fractions[0] * len(y)))
@@ -272,7 +282,7 @@ def load_digits_splits(
     }
     return {
         name: {
-            "inputs": (X[idx] / 16.0).astype(np.float32)[..., None],  # (n, 64, 1)
+            "inputs": (X[idx] / 16.0).astype(np.float32).reshape(len(idx), -1, row_length),
             "targets": y[idx].astype(np.int32),
             "mask": np.ones((len(idx),), np.float32),
         }
@@ -285,16 +295,32 @@ def sequential_digits(
     batch_size: int = 64,
     split_seed: int = 0,
     fractions: tuple[float, float, float] = (0.6, 0.2, 0.2),
+    row_length: int = 1,
+    train_size: int | None = None,
 ) -> Task:
-    """Sequential digits: 8x8 images as 64-step real-valued sequences, 10 classes.
+    """Sequential digits: 8x8 images read as sequences, 10 classes.
 
-    Training batches walk through the training split in epochs: epoch ``e`` uses the
+    ``row_length=1`` reads one pixel per step (64 steps, pixel-sequential); ``row_length=8``
+    one row per step (8 steps of 8 pixels, as row-sequential MNIST is read). ``train_size``
+    keeps only the first ``train_size`` images of the training split (a small training set
+    that a model can overfit; validation and test are unchanged).
+
+    Training batches walk through the training set in epochs: epoch ``e`` uses the
     permutation ``permutation(fold_in(key, e))`` and step ``s`` takes batch ``s mod
     steps_per_epoch`` of it (the remainder of each epoch is dropped), so the data order is a
     pure function of the run's key and the step. ``splits`` holds ``"val"`` and ``"test"``
-    (``"train"`` too, for measuring the generalisation gap).
+    (``"train"`` too -- the training set as trained on -- for the generalisation gap).
+
+    Raises:
+      ValueError: for a ``train_size`` outside ``[1, len(train split)]`` or a ``batch_size``
+        larger than the training set.
     """
-    data = load_digits_splits(split_seed, fractions)
+    data = load_digits_splits(split_seed, fractions, row_length=row_length)
+    if train_size is not None:
+        available = int(data["train"]["targets"].shape[0])
+        if not 1 <= train_size <= available:
+            raise ValueError(f"`train_size` must be in [1, {available}], got {train_size}.")
+        data["train"] = {k: v[:train_size] for k, v in data["train"].items()}
     train = {k: jnp.asarray(v) for k, v in data["train"].items()}
     n_train = int(train["targets"].shape[0])
     if batch_size > n_train:
@@ -309,17 +335,18 @@ def sequential_digits(
 
     return Task(
         name="sequential_digits",
-        seq_len=64,
+        seq_len=64 // row_length,
         num_classes=10,
         head="sequence",
         vocab_size=None,
-        input_dim=1,
+        input_dim=row_length,
         train_batch=train_batch,
         batch_size=batch_size,
         splits=data,
         info=dict(
             sizes={k: int(v["targets"].shape[0]) for k, v in data.items()},
             steps_per_epoch=steps_per_epoch,
+            row_length=row_length,
         ),
     )
 

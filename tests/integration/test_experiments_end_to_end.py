@@ -64,14 +64,22 @@ def test_report_smoke_schema_and_resume(tmp_path):
     for fig in doc["figures"]:
         assert (tmp_path / "compare" / fig).stat().st_size > 1000
 
+    # The grid part analyses the comparison's sweeps (no training of its own): the swept
+    # optimizers, their positive weight decays, the same numbers.
     gdoc = json.loads((tmp_path / "grid" / "results.json").read_text())
-    gcfg = grid.GridConfig.preset("smoke")
-    for name in gcfg.optimizers:
-        res = gdoc["optimizers"][name]
-        shape = (len(gcfg.lrs), gcfg.n_wd, len(gcfg.seeds))
+    assert gdoc["source"] == "compare" and list(gdoc["optimizers"]) == list(cfg.lr_sweep)
+    for name in cfg.lr_sweep:
+        res, sweep = gdoc["optimizers"][name], doc["optimizers"][name]["evaluation"]["sweep"]
+        shape = (len(cfg.lrs), cfg.n_wd, len(cfg.eval_seeds))
         assert np.asarray(res["val_loss"]).shape == shape
-        assert np.all(np.isfinite(res["val_loss"]))
-        assert res["analysis"]["best"]["learning_rate"] in gcfg.lrs
+        np.testing.assert_array_equal(np.asarray(sweep["val_loss"])[:, 1:], res["val_loss"])
+        assert res["analysis"]["best"]["learning_rate"] in cfg.lrs
+        assert res["separability"]["verdict"] in ("separable", "coupled", "inconclusive")
+    assert set(doc["verdicts"]["decay"]) <= set(cfg.optimizers)
+    assert [(p["a"], p["b"]) for p in doc["verdicts"]["pairs"]] == [
+        ("adam_l2", "adamw"),
+        ("adamw", "lion"),
+    ]
 
     marker = tmp_path / "compare" / "complete.json"
     before = marker.stat().st_mtime_ns

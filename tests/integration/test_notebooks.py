@@ -16,6 +16,7 @@ DEFAULT_SIZE_MARKERS = {
     "02_ssm_comparison": "quick",
     "03_lr_wd_grid": "quick",
     "04_memory": "quick run",
+    "05_implicit_bias": "quick size",
 }
 # Figures (PNG outputs) each notebook shows at least.
 MIN_FIGURES = {
@@ -23,6 +24,7 @@ MIN_FIGURES = {
     "02_ssm_comparison": 4,
     "03_lr_wd_grid": 2,
     "04_memory": 0,
+    "05_implicit_bias": 3,
 }
 
 

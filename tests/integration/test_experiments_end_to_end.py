@@ -12,7 +12,6 @@ import numpy as np
 from optax_decoupled import cli
 from optax_decoupled.experiments import (
     compare,
-    grid,
     plots,
     reddi_simulation,
     report,

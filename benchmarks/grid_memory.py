@@ -9,7 +9,7 @@ an int ``c`` maps over chunks of ``c`` (``--config-chunk`` of the CLI). Compiled
 default backend, without sharding over devices; on a CPU host the numbers estimate what a GPU
 needs (XLA's GPU backend plans its buffers differently, so treat them as estimates).
 
-    python benchmarks/grid_memory.py                       # full preset, K = 180, chunks
+    python benchmarks/grid_memory.py                       # full preset, K = 160, chunks
     python benchmarks/grid_memory.py --k 8 --chunks none   # one small vmap
 """
 
@@ -23,11 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_decoupled.experiments import compare, programs, training_step
-from optax_decoupled.experiments import tasks as tasks_lib
 
 
 def step_memory(cfg: compare.CompareConfig, k: int, chunk: int | None) -> dict:
-    task = tasks_lib.sequential_digits(batch_size=cfg.batch_size)
+    task = cfg.digits()
     model_config = cfg.model_config(task)
     spec = cfg.specs()["adamw"]
     make_tx = compare.make_tx_factory(spec, cfg.steps, cfg.warmup_steps, cfg.clip_norm)
@@ -66,12 +65,17 @@ def step_memory(cfg: compare.CompareConfig, k: int, chunk: int | None) -> dict:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--scale", default="full", choices=("smoke", "quick", "full"))
-    ap.add_argument("--k", type=int, default=180, help="configurations (full comparison: 180)")
+    ap.add_argument(
+        "--k", type=int, default=None, help="configurations (default: one sweep of the preset)"
+    )
     ap.add_argument(
         "--chunks", nargs="+", default=["none", "45", "8"], help="config_chunk values ('none': all)"
     )
     args = ap.parse_args(argv)
     cfg = compare.CompareConfig.preset(args.scale)
+    if args.k is None:
+        spec = cfg.specs()["adamw"]
+        args.k = len(spec.lrs) * len(spec.wds) * len(cfg.eval_seeds)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.scale} preset, "
           f"d_model {cfg.d_model}, batch {cfg.batch_size}, K = {args.k}")  # fmt: skip
     print("| config_chunk | arguments | temporaries | output (aliased) | compile |")

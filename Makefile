@@ -31,14 +31,16 @@ PYTEST := OPTAX_DECOUPLED_SMOKE=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 # package's docstrings; the experiments' modules are left out of the doctest collection, so
 # it needs only the core's dependencies). Under 5 minutes on 2 cores.
 test: lint
-	$(PYTEST) tests optax_decoupled --doctest-modules \
+	$(PYTEST) tests optax_decoupled --doctest-modules -m "not slow" --durations=15 \
 		--ignore=tests/integration --ignore=optax_decoupled/experiments
 
 # The integration tier (tests/integration/): every notebook at smoke size, the wheel in a
-# clean virtual environment, multi-device programs, the CLI end to end and the benchmark
-# scripts at toy size; then the property and fuzz tests with the thorough Hypothesis profile.
+# clean virtual environment, multi-device programs, whole training runs, the CLI end to end
+# and the benchmark scripts at toy size; then the unit tests marked slow (compile-heavy
+# variants) and the property and fuzz tests with the thorough Hypothesis profile.
 test-integration: $(STAMP)
 	$(PYTEST) tests/integration --nbmake notebooks
+	$(PYTEST) tests -m slow --ignore=tests/integration
 	HYPOTHESIS_PROFILE=thorough $(PYTEST) tests/test_properties.py tests/test_fuzz.py
 
 test-all: test test-integration

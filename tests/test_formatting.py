@@ -35,6 +35,8 @@ def test_grid_summary_prints_a_tiny_negative_slope_as_zero():
         "tolerance": 0.05,
         "best_wd_per_lr": [1e-2, 1e-2],
     }
-    doc = {"optimizers": {"adam_l2": {"label": "Adam+L2", "runs": 4, "analysis": analysis}}}
-    row = grid.summary_table(doc).splitlines()[2]
-    assert "| +0.00 | +0.00 (3 cells within 5%) |" in row, row
+    separability = {"slope": -0.001, "low": -0.004, "high": 0.002, "verdict": "separable",
+                    "line": "separable: slope -0.00"}  # fmt: skip
+    res = {"label": "Adam+L2", "runs": 4, "analysis": analysis, "separability": separability}
+    row = grid.summary_table({"optimizers": {"adam_l2": res}}).splitlines()[2]
+    assert "| +0.00 [+0.00, +0.00] | separable | +0.00 (3 cells within 5%) |" in row, row

@@ -37,6 +37,10 @@ FACTORIES = {
 }
 
 
+#: The other optimizers' variants of a compile-heavy test run in the integration tier.
+SLOW = pytest.mark.slow
+
+
 def make_params(seed=0):
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     return {
@@ -534,7 +538,9 @@ def test_inject_hyperparams_with_vmap_over_lr(name, state_dtype):
         )
 
 
-@pytest.mark.parametrize("name", ["adam_l2", "amsgrad", "lion"])
+@pytest.mark.parametrize(
+    "name", ["adam_l2", pytest.param("amsgrad", marks=SLOW), pytest.param("lion", marks=SLOW)]
+)
 def test_vmap_over_parameter_batches(name):
     tx = FACTORIES[name](1e-2, 0.1, TINY)
     batch = jax.tree.map(lambda x: jnp.stack([x, 2 * x]), make_params())
@@ -707,7 +713,9 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     assert np.signbit(np.asarray(out)[4])
 
 
-@pytest.mark.parametrize("name", ["adamw", "amsgrad", "lion"])
+@pytest.mark.parametrize(
+    "name", ["adamw", pytest.param("amsgrad", marks=SLOW), pytest.param("lion", marks=SLOW)]
+)
 def test_stochastic_rounding_composes(name):
     """A storage object with stochastic rounding through jit, lax.scan (state types kept),
     inject_hyperparams + vmap over learning rates (equal to separate runs: the bits do not

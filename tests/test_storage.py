@@ -493,7 +493,9 @@ def test_reference_bfloat16_rounding_equals_ml_dtypes():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["adamw", "amsgrad_optax", "lion"])
+@pytest.mark.parametrize(
+    "name", ["adamw", pytest.param("amsgrad_optax", marks=SLOW), pytest.param("lion", marks=SLOW)]
+)
 def test_jit_equals_eager(name):
     tx = FACTORIES[name](1e-2, 0.1, TINY)
     pe, se = run(tx, 5)

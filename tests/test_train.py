@@ -1,6 +1,7 @@
 """Tests of the SSM trainer: pure step, vmapped grid = one-by-one runs, checkpoint/resume
-bit-identity and errors, JSON lines and schedules. (optax_decoupled.adamw training in a grid:
-tests/integration/test_experiments_training.py.)"""
+bit-identity and errors, JSON lines and schedules. The tests that train a whole grid with
+checkpoints are marked slow and run in the integration tier (``make test-integration``), as
+does optax_decoupled.adamw training in a grid (tests/integration/test_experiments_training.py)."""
 
 import dataclasses
 import os
@@ -61,6 +62,7 @@ def grid(task, model_config, tmp_path_factory):
     return result, root
 
 
+@pytest.mark.slow  # a whole trained grid with checkpoints: the integration tier
 def test_grid_equals_one_by_one(task, model_config, grid):
     """Each vmapped configuration equals the same configuration trained alone with the pure
     functional core (init_model, task.train_batch, train_step) in a plain loop."""
@@ -110,6 +112,7 @@ def test_init_models_are_init_model_bit_for_bit(model_config):
     assert not np.array_equal(jax.tree.leaves(params)[0][0], jax.tree.leaves(params)[0][1])
 
 
+@pytest.mark.slow  # a whole trained grid with checkpoints: the integration tier
 def test_grid_result_contents(grid):
     result, root = grid
     assert len(result.runs) == 3 and result.start_step == 0
@@ -131,6 +134,7 @@ def test_grid_result_contents(grid):
     assert finals[2]["hparams"]["weight_decay"] == pytest.approx(0.01)
 
 
+@pytest.mark.slow  # a whole trained grid with checkpoints: the integration tier
 def test_resume_is_bit_identical(task, model_config, grid, tmp_path):
     result, root = grid
     kwargs = dict(checkpoint_dir=tmp_path / "ckpt", metrics_path=tmp_path / "m.jsonl")
@@ -178,6 +182,7 @@ def test_eval_records_average_the_steps_since_the_last_eval(task, model_config, 
         assert r["train_loss"] == pytest.approx(float(expected), rel=1e-6)
 
 
+@pytest.mark.slow  # a whole trained grid with checkpoints: the integration tier
 def test_resume_errors(task, model_config, grid, tmp_path):
     _, root = grid
     run = lambda d, **kw: train_lib.train_grid(  # noqa: E731
@@ -236,6 +241,7 @@ def test_resume_errors(task, model_config, grid, tmp_path):
         run(corrupt)
 
 
+@pytest.mark.slow  # a whole trained grid with checkpoints: the integration tier
 def test_optimizer_fingerprint(monkeypatch, task, model_config, grid):
     """The fingerprint of resumes: equal for equal factories (also a new but equal one),
     different for any fixed setting inside make_tx, blind to the grid's values; a checkpoint

@@ -316,3 +316,30 @@ def test_the_grid_part_reads_the_comparisons_sweeps():
     sep = res["separability"]
     assert sep["verdict"] == "coupled" and sep["slope"] == pytest.approx(-1.0, abs=0.05)
     assert "coupled: slope -1.0" in grid.summary_table(g)
+
+
+def test_the_report_grid_reuses_the_comparisons_sweeps(tmp_path, monkeypatch):
+    """The report's grid part analyses ``<out>/compare`` when it finished at the same scale
+    (no training), and trains its own sweeps when it did not or has none (an older schema)."""
+    trained = []
+    monkeypatch.setattr(grid, "run_grid", lambda cfg, progress: trained.append(cfg) or
+                        {"optimizers": {}, "source": "trained"})  # fmt: skip
+    monkeypatch.setattr(plots, "grid_figures", lambda doc, out: [])
+    lrs, wds = [1e-3, 1e-2], [0.0, 0.1, 1.0]
+    comp = {"config": {}, "optimizers": {"adamw": _swept("W", lrs, wds, np.ones((2, 3, 3)),
+                                                          (1e-3, 0.1))}}  # fmt: skip
+    (tmp_path / "compare").mkdir()
+    (tmp_path / "compare" / "results.json").write_text(json.dumps(comp))
+    (tmp_path / "compare" / "complete.json").write_text(
+        json.dumps({"part": "compare", "scale": "smoke", "wall_time_s": 1.0})
+    )
+    doc = report._run_grid("smoke", tmp_path / "grid", progress=False)
+    assert doc["source"] == "compare" and list(doc["optimizers"]) == ["adamw"] and not trained
+    report._run_grid("quick", tmp_path / "grid", progress=False)  # another scale: trains
+    del comp["optimizers"]["adamw"]["evaluation"]["sweep"]
+    (tmp_path / "compare" / "results.json").write_text(json.dumps(comp))
+    report._run_grid("smoke", tmp_path / "grid", progress=False)  # no sweeps: trains
+    assert [c.steps for c in trained] == [
+        compare.CompareConfig.preset("quick").steps,
+        compare.CompareConfig.preset("smoke").steps,
+    ]

@@ -120,13 +120,14 @@ def _run_grid(
     """The grids of the comparison finished at ``scale`` beside ``out`` (``<out>/../compare``,
     as the report lays out its parts), or, where there is none, the sweeps trained here."""
     sibling = out.parent / "compare"
+    doc = None
     try:
         done = _finished(sibling, "compare")
-    except OutputConflict:
-        done = None
-    if done is not None and done.get("scale") == scale:
-        doc = grid.from_comparison(json.loads((sibling / "results.json").read_text()))
-    else:
+        if done is not None and done.get("scale") == scale:
+            doc = grid.from_comparison(json.loads((sibling / "results.json").read_text()))
+    except (OutputConflict, OSError, ValueError, KeyError):  # unreadable, or without sweeps
+        doc = None
+    if doc is None:
         cfg = dataclasses.replace(compare.CompareConfig.preset(scale), config_chunk=config_chunk)
         doc = grid.run_grid(cfg, progress=progress)
     doc["figures"] = plots.grid_figures(doc, out)

@@ -84,8 +84,8 @@ def test_specs_centre_lion_and_scale_decay_by_convention():
 
 
 def test_a_finished_run_at_another_scale_is_not_replaced_silently(tmp_path, capsys):
-    """A results directory holding a finished run at another scale is refused unless forced
-    (it used to be overwritten); the CLI says so in one line, as for an output path it cannot
+    """A results directory holding a finished run at another scale is refused unless forced,
+    not overwritten; the CLI says so in one line, as for an output path it cannot
     create."""
     part = tmp_path / "grid"
     part.mkdir()

@@ -410,7 +410,7 @@ def test_8bit_state_follows_the_blockwise_reference(variant):
     """8-bit AdamW (and its AMSGrad conventions) and Lion against ``reference.py``'s NumPy
     implementation of Dettmers et al.'s block-wise 8-bit optimizers, which shares no code with
     the package: bitsandbytes' recorded maps, float64 arithmetic, nearest codes by brute force.
-    Measured over 20 steps (2026-12-01): at least 99.98% of the codes identical at every step,
+    Over 20 steps: at least 99.98% of the codes identical at every step,
     the others at most 0.017 apart in normalized value (one or two map steps: float32 against
     float64 rounding at a decision point, carried by the moving averages), scales within 2e-5,
     parameters within 9.1e-5 of max |θ|. The same run with float32 state is 2.5% (Lion) to
@@ -445,8 +445,8 @@ def test_8bit_state_follows_the_blockwise_reference(variant):
 def test_bfloat16_state_follows_the_reference(variant):
     """The same against ``reference.py``'s bfloat16 state: the float64 update from the stored
     moments, the new moments rounded to float32 and then to the nearest bfloat16 (written from
-    the format, checked against ml_dtypes in the next test). Measured over 20 steps
-    (2026-12-01): at least 99.69% of the stored moments identical at every step ("optax"
+    the format, checked against ml_dtypes in the next test). Over 20 steps: at
+    least 99.69% of the stored moments identical at every step ("optax"
     stores ν/(1-β₂ᵗ), whose division rounds differently in float32; the others ≥ 99.99%), the
     rest one bfloat16 step apart or, where the moving average cancels, a few float32 steps of
     its terms; parameters within 2.1e-4 of max |θ|. Float32 state stores no bfloat16 values."""
@@ -972,9 +972,9 @@ def test_eager_int8_init_is_one_program_and_equals_the_traced_one(shape, signed)
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_int8_init_is_computed_at_run_time_not_folded_by_the_compiler(signed):
     """The zeros the 8-bit moments start from are constants, and XLA constant-folded their
-    quantization while compiling ``init``: its folding took 5 s at 1e6 parameters and 23 s at
-    4e6 on 2 cores (eagerly and under ``jit``; 2026-12-02). ``init`` hides them from the
-    folding, so its compiled program (eager and traced) still computes the block absmax."""
+    quantization while compiling ``init``, which took seconds at 10^6 parameters (eagerly and
+    under ``jit``). ``init`` hides them from the folding, so its compiled program (eager and
+    traced) still computes the block absmax."""
     storage = S.BlockwiseInt8Storage()
     param = jnp.ones((64, 1024), jnp.float32)
 

@@ -24,7 +24,13 @@ lint: $(STAMP)
 # Tests run in TEST_WORKERS pytest-xdist processes: one per core, at most 4 (each is a JAX
 # process of its own, a GiB or two; 0 runs them in this process).
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = min(4, len(os.sched_getaffinity(0))); print(n if n > 1 else 0)" 2>/dev/null || echo 0)
-PYTEST := OPTAX_DECOUPLED_SMOKE=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
+# The tests share JAX's persistent compilation cache in .jax_cache/ (ignored by git; `make
+# clean` empties it): a program that several tests, both workers or both tiers compile is
+# compiled once, and a second `make test` loads most programs from it. A
+# JAX_COMPILATION_CACHE_DIR of your own is used instead.
+JAX_CACHE ?= $(CURDIR)/.jax_cache
+PYTEST := OPTAX_DECOUPLED_SMOKE=1 JAX_COMPILATION_CACHE_DIR="$${JAX_COMPILATION_CACHE_DIR:-$(JAX_CACHE)}" \
+	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
 
 # The test command of the README and of CI: lint, then the unit tier (every reference,
 # golden, property and bad-input test, the experiments' small tests and the doctests of the
@@ -67,4 +73,4 @@ docs: $(STAMP)
 	$(BIN)/sphinx-build -W --keep-going -b html -D nb_execution_mode=$(or $(NB_EXECUTE),off) docs build/docs/html
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .jax_cache

@@ -34,3 +34,14 @@ settings.register_profile(
     "thorough", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "unit"))
+
+
+def pytest_collection_modifyitems(items):
+    """chex's eager (``without_jit``) variants of tests/test_composition.py run in the
+    integration tier: each compiles its operations one by one, and the unit tier keeps the
+    eager path of every alias in ``test_jit_equals_eager`` (eager and jitted runs compared)."""
+    import pytest
+
+    for item in items:
+        if item.path.name == "test_composition.py" and item.name.endswith("__without_jit"):
+            item.add_marker(pytest.mark.slow)

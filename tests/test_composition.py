@@ -274,8 +274,16 @@ def _nnx_model_and_batch(nnx):
     return MLP(nnx.Rngs(0)), x, y
 
 
-@pytest.mark.parametrize("state_dtype", [None, "bfloat16", "int8"])
-@pytest.mark.parametrize("name", list(NNX_FACTORIES))
+@pytest.mark.parametrize(
+    ("name", "state_dtype"),
+    # Every optimizer with float32 state and every storage with adamw in the unit tier; the
+    # rest of the cross (one compiled program pair each) in the integration tier.
+    [
+        pytest.param(name, sd, marks=() if sd is None or name == "adamw" else pytest.mark.slow)
+        for name in NNX_FACTORIES
+        for sd in (None, "bfloat16", "int8")
+    ],
+)
 def test_nnx_optimizer_equals_the_optax_loop(name, state_dtype):
     """``nnx.Optimizer(model, tx, wrt=nnx.Param)`` under ``nnx.jit`` takes the same steps as
     ``tx`` on the plain parameter dict, bit for bit. With 8-bit state the second step raised

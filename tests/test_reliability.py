@@ -100,9 +100,16 @@ def _poison(grads, value, t):
 
 # tests/test_composition.py covers apply_if_finite with the parameters' own dtype for adamw
 # (both conventions), adam_l2, amsgrad ("pytorch") and lion; here every alias gets bfloat16 and
-# 8-bit moments, and the AMSGrad conventions not covered there the parameters' dtype too.
+# 8-bit moments, and the AMSGrad conventions not covered there the parameters' dtype too. The
+# unit tier runs every alias with 8-bit moments and every storage with two aliases (one Adam,
+# one AMSGrad); the rest of the cross, one compiled program each, runs in the integration tier.
+_UNIT_ALIASES = ("adamw_schedule", "amsgrad_pytorch")
 RECIPE_CASES = [
-    (alias, sd)
+    pytest.param(
+        alias,
+        sd,
+        marks=() if sd in ("int8", "param") or alias in _UNIT_ALIASES else pytest.mark.slow,
+    )
     for alias in ALIASES
     for sd in STATE_DTYPES
     if sd != "param" or alias in ("amsgrad_optax_coupled", "amsgrad_paper")

@@ -15,18 +15,21 @@ from optax_decoupled.experiments import ssm
 def naive_ssm(x, dt, A, B, C):
     """Per-step reference: H_t = exp(dt_t A) H_{t-1} + dt_t x_t B_t^T, y_t = H_t C_t.
 
-    x (b, l, h, p), dt (b, l, h), A (h,), B and C (b, l, n); a Python loop over time.
+    x (b, l, h, p), dt (b, l, h), A (h,), B and C (b, l, n); one ``lax.scan`` step per time
+    step, written as the recurrence (no chunking, no segment sums).
     """
-    b, l, h, p = x.shape
+    b, _, h, p = x.shape
     n = B.shape[-1]
-    state = jnp.zeros((b, h, p, n), x.dtype)
-    ys = []
-    for t in range(l):
-        for_head = jnp.exp(dt[:, t] * A)  # (b, h)
-        inp = (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, None, None, :]  # (b, h, p, n)
-        state = for_head[..., None, None] * state + inp
-        ys.append(jnp.sum(state * C[:, t, None, None, :], axis=-1))  # (b, h, p)
-    return jnp.stack(ys, axis=1)
+
+    def step(state, inputs):  # state (b, h, p, n)
+        x_t, dt_t, B_t, C_t = inputs  # (b, h, p), (b, h), (b, n), (b, n)
+        inp = (dt_t[..., None] * x_t)[..., None] * B_t[:, None, None, :]
+        state = jnp.exp(dt_t * A)[..., None, None] * state + inp
+        return state, jnp.sum(state * C_t[:, None, None, :], axis=-1)  # (b, h, p)
+
+    time_major = (jnp.moveaxis(v, 1, 0) for v in (x, dt, B, C))
+    _, ys = jax.lax.scan(step, jnp.zeros((b, h, p, n), x.dtype), tuple(time_major))
+    return jnp.moveaxis(ys, 0, 1)
 
 
 def random_inputs(seed, b=2, l=37, h=3, p=4, n=5):

@@ -167,6 +167,7 @@ def test_resume_is_bit_identical(task, model_config, grid, tmp_path):
     assert sorted(map(key, records)) == sorted(map(key, reference))
 
 
+@pytest.mark.slow  # a whole trained grid: the integration tier
 def test_eval_records_average_the_steps_since_the_last_eval(task, model_config, tmp_path):
     """With steps not a multiple of eval_every, the last record's train_loss is the mean of
     the steps after the previous evaluation (it reached back into the window before)."""

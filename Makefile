@@ -35,7 +35,7 @@ PYTEST := OPTAX_DECOUPLED_SMOKE=1 JAX_COMPILATION_CACHE_DIR="$${JAX_COMPILATION_
 # The test command of the README and of CI: lint, then the unit tier (every reference,
 # golden, property and bad-input test, the experiments' small tests and the doctests of the
 # package's docstrings; the experiments' modules are left out of the doctest collection, so
-# it needs only the core's dependencies). About 5 minutes on 2 cores.
+# it needs only the core's dependencies). About 4 minutes on 2 cores.
 test: lint
 	$(PYTEST) tests optax_decoupled --doctest-modules -m "not slow" --durations=15 \
 		--ignore=tests/integration --ignore=optax_decoupled/experiments

@@ -219,7 +219,7 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     report = _load(_REPORT)
     parser.add_argument(
         "--scale", choices=report.SCALES, default="quick",
-        help="quick: about 9 min on 2 CPU cores (default); full: sized for one GPU; "
+        help="quick: 9-10 min on 2 CPU cores (default); full: sized for one GPU; "
         "smoke: about 2 min, for tests (also OPTAX_DECOUPLED_SMOKE=1)",
     )  # fmt: skip
     parser.add_argument("--out", default="results", help="output directory (default: results)")

@@ -21,6 +21,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads them when it starts)
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -37,11 +38,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "unit"))
 
 
 def pytest_collection_modifyitems(items):
-    """chex's eager (``without_jit``) variants of tests/test_composition.py run in the
-    integration tier: each compiles its operations one by one, and the unit tier keeps the
-    eager path of every alias in ``test_jit_equals_eager`` (eager and jitted runs compared)."""
-    import pytest
-
+    """A test module's ``SLOW_VARIANTS`` (test-name suffixes, such as chex's
+    ``"__without_jit"``) marks those generated variants ``slow``: they run in the integration
+    tier. Parametrized cases use ``pytest.param(..., marks=pytest.mark.slow)`` instead."""
     for item in items:
-        if item.path.name == "test_composition.py" and item.name.endswith("__without_jit"):
+        suffixes = getattr(getattr(item, "module", None), "SLOW_VARIANTS", ())
+        if suffixes and item.name.endswith(tuple(suffixes)):
             item.add_marker(pytest.mark.slow)

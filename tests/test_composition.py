@@ -70,6 +70,12 @@ def run(tx, steps, params=None, grad_fn=grads_at):
     return params, state
 
 
+#: chex's eager variants run in the integration tier (tests/conftest.py): each compiles its
+#: operations one by one, and the unit tier keeps every alias's eager path in
+#: ``test_jit_equals_eager``, which compares eager and jitted runs.
+SLOW_VARIANTS = ("__without_jit",)
+
+
 class InjectHyperparamsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters((n, n) for n in FACTORIES)
